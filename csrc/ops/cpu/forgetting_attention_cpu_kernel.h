@@ -1,0 +1,383 @@
+// CPU kernels of Forgetting Attention: tiled, online softmax, O(N*D) extra memory.
+//
+// Kernels read only ForwardParams/BackwardParams; matrix products of tiles go to the BLAS that
+// LibTorch links (blas.h) and the work is spread with at::parallel_for.
+//
+// Gate bias without cancellation: for a tile of queries anchored at position a (its first query
+// for the forward/dQ passes, the last key of the key tile for the dK/dV pass) we keep
+// R_x = c_x - c_a, built by sums that start at a: forward over positions after a, backward over
+// positions before a. Then d_ij = R_{p_i} - R_j. Its error grows with the distance to the
+// anchor, never with the absolute position (two global prefix sums of ~1e6 would lose the bias
+// of nearby tokens entirely).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include "../params.h"
+#include "blas.h"
+
+namespace fox::cpu {
+
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 64;
+
+// Pointers of one (sequence, head) pair.
+template <typename T>
+struct HeadView {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* g;  // log forget gates, stride g_stride between positions
+  int64_t ldq, ldk, ldv, g_stride;
+};
+
+template <typename T>
+inline HeadView<T> head_view(const ForwardParams& p, const SequenceView& s, int64_t h) {
+  const int64_t hk = h / p.heads_per_kv_head();
+  HeadView<T> view;
+  view.q = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride + s.row_q * p.q_row_stride +
+           h * p.q_head_stride;
+  view.k = static_cast<const T*>(p.k) + s.batch_index * p.k_batch_stride + s.row_k * p.k_row_stride +
+           hk * p.k_head_stride;
+  view.v = static_cast<const T*>(p.v) + s.batch_index * p.v_batch_stride + s.row_k * p.v_row_stride +
+           hk * p.v_head_stride;
+  view.g = static_cast<const T*>(p.log_fgate) + s.batch_index * p.g_batch_stride + s.row_k * p.g_row_stride +
+           h * p.g_head_stride;
+  view.ldq = p.q_row_stride;
+  view.ldk = p.k_row_stride;
+  view.ldv = p.v_row_stride;
+  view.g_stride = p.g_row_stride;
+  return view;
+}
+
+// Gate sums relative to an anchor position a: R[x] = c_x - c_a for x in [lo, hi), computed by
+// walking away from a. Storage is indexed by x - lo.
+template <typename Acc>
+inline void relative_cumsum(const Acc* g, int64_t g_stride, int64_t anchor, int64_t lo,
+                            int64_t hi, Acc* R) {
+  if (anchor >= lo && anchor < hi) R[anchor - lo] = 0;
+  Acc run = 0;
+  for (int64_t x = std::max(anchor + 1, lo); x < hi; ++x) {
+    // callers pass ranges that contain the anchor, so the walk covers every position in between
+    run += static_cast<Acc>(g[x * g_stride]);
+    R[x - lo] = run;
+  }
+  run = 0;
+  for (int64_t x = std::min(anchor, hi) - 1; x >= lo; --x) {
+    run -= static_cast<Acc>(g[(x + 1) * g_stride]);
+    R[x - lo] = run;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward: one task per (sequence, head, query tile). Key tiles are visited from the diagonal
+// backwards so that R of the keys extends the walk from the anchor, and pruning is a `break`.
+template <typename T>
+void forward_kernel(const ForwardParams& p) {
+  using Acc = T;  // float for float inputs (half/bf16 are converted at the edge), double for double
+  const int64_t D = p.head_dim, H = p.num_heads;
+  const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+  const int64_t num_tasks = p.batch * H * max_q_tiles;
+
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * D), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<Acc> Rq(kBlockQ), Rk(kBlockK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t tile = task % max_q_tiles;
+      const int64_t h = (task / max_q_tiles) % H;
+      const SequenceView s = p.sequence(task / (max_q_tiles * H));
+      const int64_t i0 = tile * kBlockQ;
+      if (i0 >= s.len_q) continue;
+      const int64_t nq = std::min(kBlockQ, s.len_q - i0);
+      const HeadView<T> hv = head_view<T>(p, s, h);
+      const int64_t anchor = s.query_position(i0);
+      const int64_t last_pos = anchor + nq - 1;
+      relative_cumsum(hv.g, hv.g_stride, anchor, anchor, last_pos + 1, Rq.data());
+
+      std::fill(acc.begin(), acc.begin() + nq * D, Acc(0));
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<Acc>::infinity());
+      std::fill(row_sum.begin(), row_sum.end(), Acc(0));
+
+      // Walk key tiles [j0, j1) downwards from the one that holds the last query's position.
+      Acc carry = 0;         // R at position j1 (the key just after the current tile)
+      int64_t j1 = last_pos + 1;
+      while (j1 > s.first_key) {
+        const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
+        const int64_t nk = j1 - j0;
+        // R of the keys: positions > anchor come from Rq, the others continue the walk down.
+        for (int64_t j = j1 - 1; j >= j0; --j) {
+          if (j >= anchor) {
+            Rk[j - j0] = Rq[j - anchor];
+          } else {
+            carry -= static_cast<Acc>(hv.g[(j + 1) * hv.g_stride]);
+            Rk[j - j0] = carry;
+          }
+        }
+        // Largest bias of this tile pair: first query (R = 0) against the last key. Earlier
+        // tiles only have smaller biases, so the rest of the row is pruned too.
+        if (static_cast<float>(-Rk[nk - 1]) < p.prune_threshold) break;
+
+        gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
+                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), S.data(), kBlockK);
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t pos = anchor + r;
+          Acc* srow = S.data() + r * kBlockK;
+          Acc tile_max = -std::numeric_limits<Acc>::infinity();
+          for (int64_t c = 0; c < nk; ++c) {
+            const int64_t j = j0 + c;
+            srow[c] = j <= pos ? srow[c] + (Rq[r] - Rk[c]) : -std::numeric_limits<Acc>::infinity();
+            tile_max = std::max(tile_max, srow[c]);
+          }
+          const Acc new_max = std::max(row_max[r], tile_max);
+          if (new_max == -std::numeric_limits<Acc>::infinity()) {
+            std::fill(srow, srow + nk, Acc(0));
+            continue;
+          }
+          const Acc correction = std::exp(row_max[r] - new_max);
+          Acc tile_sum = 0;
+          for (int64_t c = 0; c < nk; ++c) {
+            srow[c] = std::exp(srow[c] - new_max);
+            tile_sum += srow[c];
+          }
+          row_sum[r] = row_sum[r] * correction + tile_sum;
+          row_max[r] = new_max;
+          if (correction != Acc(1)) {
+            Acc* arow = acc.data() + r * D;
+            for (int64_t d = 0; d < D; ++d) arow[d] *= correction;
+          }
+        }
+        gemm_ab<Acc>(nq, D, nk, Acc(1), S.data(), kBlockK, hv.v + j0 * hv.ldv, hv.ldv, Acc(1),
+                     acc.data(), D);
+        j1 = j0;
+      }
+
+      T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride +
+               (s.row_q + i0) * p.o_row_stride + h * p.o_head_stride;
+      T* lse = static_cast<T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0;
+      for (int64_t r = 0; r < nq; ++r) {
+        const bool empty = row_sum[r] == Acc(0);
+        const Acc inv = empty ? Acc(0) : Acc(1) / row_sum[r];
+        for (int64_t d = 0; d < D; ++d) out[r * p.o_row_stride + d] = static_cast<T>(acc[r * D + d] * inv);
+        lse[r] = empty ? -std::numeric_limits<T>::infinity() : row_max[r] + std::log(row_sum[r]);
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward. Pass 1 (per sequence, kv head, key tile): dK, dV and the column sums of dS, which
+// give dc_t = -sum_i dS_it. Pass 2 (per sequence, head, query tile): dQ. Pass 3: dlog_fgate as
+// the reverse cumulative sum of dc. No two tasks write the same output, so the result is
+// deterministic; the price is recomputing S and dP in pass 2.
+
+// P and dS of one (query tile, key tile) pair, from the saved lse and delta = rowsum(dO * O).
+// On return P holds P and dP holds dS (without the softmax scale).
+template <typename Acc>
+inline void probabilities_and_dscores(const BackwardParams& p, int64_t nq, int64_t nk,
+                                      const Acc* Rq, const Acc* Rk, int64_t first_q_pos,
+                                      int64_t j0, const Acc* lse, const Acc* delta, Acc* P,
+                                      Acc* dP, int64_t ld) {
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t pos = first_q_pos + r;
+    const Acc l = lse[r];
+    Acc* prow = P + r * ld;
+    Acc* dprow = dP + r * ld;
+    const bool empty = std::isinf(l);
+    for (int64_t c = 0; c < nk; ++c) {
+      const int64_t j = j0 + c;
+      const Acc prob = (empty || j > pos) ? Acc(0) : std::exp(prow[c] + (Rq[r] - Rk[c]) - l);
+      prow[c] = prob;
+      dprow[c] = prob * (dprow[c] - delta[r]);
+    }
+  }
+}
+
+template <typename T>
+void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) scratch */,
+                     T* delta_buf /* (batch, heads, seqlen_q) scratch */) {
+  using Acc = T;
+  const int64_t D = p.head_dim, H = p.num_heads, Hkv = p.num_kv_heads;
+  const int64_t group = p.heads_per_kv_head();
+
+  auto out_row = [&](const void* base, int64_t bs, int64_t rs, int64_t hs, const SequenceView& s,
+                     int64_t h) {
+    return static_cast<const T*>(base) + s.batch_index * bs + s.row_q * rs + h * hs;
+  };
+
+  // delta_i = dO_i . O_i
+  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const SequenceView s = p.sequence(bh / H);
+      const int64_t h = bh % H;
+      const T* o = out_row(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, s, h);
+      const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h);
+      T* delta = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+      for (int64_t i = 0; i < s.len_q; ++i) {
+        Acc sum = 0;
+        for (int64_t d = 0; d < D; ++d) sum += o[i * p.o_row_stride + d] * dout[i * p.do_row_stride + d];
+        delta[i] = sum;
+      }
+    }
+  });
+
+  // Pass 1: dK, dV, dc.
+  const int64_t max_k_tiles = (p.seqlen_k + kBlockK - 1) / kBlockK;
+  at::parallel_for(0, p.batch * Hkv * max_k_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dk(kBlockK * D), dv(kBlockK * D);
+    std::vector<Acc> Rk(kBlockK), Rq(kBlockQ), delta(kBlockQ), colsum(kBlockK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t tile = task % max_k_tiles;
+      const int64_t hk = (task / max_k_tiles) % Hkv;
+      const SequenceView s = p.sequence(task / (max_k_tiles * Hkv));
+      const int64_t j0 = tile * kBlockK;
+      if (j0 >= s.len_k) continue;
+      const int64_t nk = std::min(kBlockK, s.len_k - j0);
+      const int64_t anchor = j0 + nk - 1;  // last key of the tile
+      std::fill(dk.begin(), dk.begin() + nk * D, Acc(0));
+      std::fill(dv.begin(), dv.begin() + nk * D, Acc(0));
+      const bool visible = anchor >= s.first_key;
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const HeadView<T> hv = head_view<T>(p, s, h);
+        T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
+        std::fill(colsum.begin(), colsum.begin() + nk, Acc(0));
+        if (visible) {
+          relative_cumsum(hv.g, hv.g_stride, anchor, j0, anchor + 1, Rk.data());
+          const T* lse = static_cast<const T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+          const T* delta_h = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+          const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h);
+          // Query tiles from the first one that sees this key tile; positions of tile queries
+          // after the anchor extend the walk forward from it.
+          const int64_t offset = s.len_k - s.len_q;
+          int64_t i_begin = std::max<int64_t>(0, j0 - offset);
+          Acc carry = 0;             // R at the position just before the next query tile
+          int64_t carried_to = anchor;  // position that `carry` refers to
+          for (int64_t i0 = i_begin; i0 < s.len_q; i0 += kBlockQ) {
+            const int64_t nq = std::min(kBlockQ, s.len_q - i0);
+            const int64_t q_pos0 = i0 + offset;
+            for (int64_t r = 0; r < nq; ++r) {
+              const int64_t pos = q_pos0 + r;
+              if (pos <= anchor) {
+                Rq[r] = Rk[pos - j0];
+              } else {
+                while (carried_to < pos) {
+                  ++carried_to;
+                  carry += static_cast<Acc>(hv.g[carried_to * hv.g_stride]);
+                }
+                Rq[r] = carry;
+              }
+            }
+            // Largest bias of the pair: first query of the tile against the last key (R = 0).
+            if (static_cast<float>(Rq[0]) < p.prune_threshold) break;
+            for (int64_t r = 0; r < nq; ++r) delta[r] = delta_h[i0 + r];
+            gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
+                          hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
+            gemm_abt<Acc>(nq, nk, D, Acc(1), dout + i0 * p.do_row_stride, p.do_row_stride,
+                          hv.v + j0 * hv.ldv, hv.ldv, Acc(0), dP.data(), kBlockK);
+            probabilities_and_dscores<Acc>(p, nq, nk, Rq.data(), Rk.data(), q_pos0, j0,
+                                           lse + i0, delta.data(), P.data(), dP.data(), kBlockK);
+            // first_key masking: keys before it get no probability
+            if (j0 < s.first_key) {
+              for (int64_t r = 0; r < nq; ++r)
+                for (int64_t c = 0; c < std::min(nk, s.first_key - j0); ++c) {
+                  P[r * kBlockK + c] = 0;
+                  dP[r * kBlockK + c] = 0;
+                }
+            }
+            gemm_atb<Acc>(nk, D, nq, Acc(1), P.data(), kBlockK, dout + i0 * p.do_row_stride,
+                          p.do_row_stride, Acc(1), dv.data(), D);
+            gemm_atb<Acc>(nk, D, nq, static_cast<Acc>(p.scale), dP.data(), kBlockK,
+                          hv.q + i0 * hv.ldq, hv.ldq, Acc(1), dk.data(), D);
+            for (int64_t r = 0; r < nq; ++r)
+              for (int64_t c = 0; c < nk; ++c) colsum[c] += dP[r * kBlockK + c];
+          }
+        }
+        for (int64_t c = 0; c < nk; ++c) dc_row[j0 + c] = -colsum[c];
+      }
+      T* dk_out = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
+                  (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
+      T* dv_out = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
+                  (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
+      for (int64_t c = 0; c < nk; ++c)
+        for (int64_t d = 0; d < D; ++d) {
+          dk_out[c * p.dk_row_stride + d] = static_cast<T>(dk[c * D + d]);
+          dv_out[c * p.dv_row_stride + d] = static_cast<T>(dv[c * D + d]);
+        }
+    }
+  });
+
+  // Pass 2: dQ, walking key tiles from the diagonal backwards as the forward does.
+  const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
+  at::parallel_for(0, p.batch * H * max_q_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq(kBlockQ * D);
+    std::vector<Acc> Rq(kBlockQ), Rk(kBlockK), delta(kBlockQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t tile = task % max_q_tiles;
+      const int64_t h = (task / max_q_tiles) % H;
+      const SequenceView s = p.sequence(task / (max_q_tiles * H));
+      const int64_t i0 = tile * kBlockQ;
+      if (i0 >= s.len_q) continue;
+      const int64_t nq = std::min(kBlockQ, s.len_q - i0);
+      const HeadView<T> hv = head_view<T>(p, s, h);
+      const int64_t anchor = s.query_position(i0);
+      const int64_t last_pos = anchor + nq - 1;
+      relative_cumsum(hv.g, hv.g_stride, anchor, anchor, last_pos + 1, Rq.data());
+      const T* lse = static_cast<const T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0;
+      const T* delta_h = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0;
+      for (int64_t r = 0; r < nq; ++r) delta[r] = delta_h[r];
+      const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h) +
+                      i0 * p.do_row_stride;
+      std::fill(dq.begin(), dq.begin() + nq * D, Acc(0));
+
+      Acc carry = 0;
+      int64_t j1 = last_pos + 1;
+      while (j1 > s.first_key) {
+        const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
+        const int64_t nk = j1 - j0;
+        for (int64_t j = j1 - 1; j >= j0; --j) {
+          if (j >= anchor) {
+            Rk[j - j0] = Rq[j - anchor];
+          } else {
+            carry -= static_cast<Acc>(hv.g[(j + 1) * hv.g_stride]);
+            Rk[j - j0] = carry;
+          }
+        }
+        if (static_cast<float>(-Rk[nk - 1]) < p.prune_threshold) break;
+        gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
+                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
+        gemm_abt<Acc>(nq, nk, D, Acc(1), dout, p.do_row_stride, hv.v + j0 * hv.ldv, hv.ldv, Acc(0),
+                      dP.data(), kBlockK);
+        probabilities_and_dscores<Acc>(p, nq, nk, Rq.data(), Rk.data(), anchor, j0, lse,
+                                       delta.data(), P.data(), dP.data(), kBlockK);
+        gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK, hv.k + j0 * hv.ldk,
+                     hv.ldk, Acc(1), dq.data(), D);
+        j1 = j0;
+      }
+      T* dq_out = static_cast<T*>(p.dq) + s.batch_index * p.dq_batch_stride +
+                  (s.row_q + i0) * p.dq_row_stride + h * p.dq_head_stride;
+      for (int64_t r = 0; r < nq; ++r)
+        for (int64_t d = 0; d < D; ++d) dq_out[r * p.dq_row_stride + d] = static_cast<T>(dq[r * D + d]);
+    }
+  });
+
+  // Pass 3: dlog_fgate_t = sum_{u >= t} dc_u within each sequence (accumulated in double).
+  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const SequenceView s = p.sequence(bh / H);
+      const int64_t h = bh % H;
+      const T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
+      T* dg = static_cast<T*>(p.dlog_fgate) + s.batch_index * p.dg_batch_stride + s.row_k * p.dg_row_stride +
+                  h * p.dg_head_stride;
+      double run = 0;
+      for (int64_t t = s.len_k - 1; t >= 0; --t) {
+        run += dc_row[t];
+        dg[t * p.dg_row_stride] = static_cast<T>(run);
+      }
+    }
+  });
+}
+
+}  // namespace fox::cpu

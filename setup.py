@@ -1,0 +1,65 @@
+"""Thin driver of the CMake build: configures against the installed torch, builds with Ninja and
+installs libfox_torch, the _C module, the headers and the CMake package into the Python package.
+
+Environment knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0a"), CUDA_HOME (a CUDA toolkit root),
+FOX_BUILD_TESTS=0 (skip the Catch2 tests), FOX_BUILD_DIR (default build/cmake), MAX_JOBS.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import pybind11
+        import torch
+
+        package_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        # A fixed build directory keeps rebuilds incremental (editable installs included).
+        build_dir = Path(os.environ.get("FOX_BUILD_DIR", ROOT / "build" / "cmake")).resolve()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            "-G", "Ninja",
+            f"-DCMAKE_BUILD_TYPE={os.environ.get('CMAKE_BUILD_TYPE', 'Release')}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_INSTALL_PREFIX={package_dir}",
+            "-DCMAKE_INSTALL_LIBDIR=lib",
+            "-DFOX_PYTHON_INSTALL_DIR=.",
+            f"-DFOX_BUILD_TESTS={'OFF' if os.environ.get('FOX_BUILD_TESTS') == '0' else 'ON'}",
+            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0a')}",
+        ]
+        cuda_home = os.environ.get("CUDA_HOME")
+        if cuda_home and torch.version.cuda:
+            args += [
+                f"-DCUDAToolkit_ROOT={cuda_home}",
+                f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}",
+                f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc",
+            ]
+        subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
+        build = ["cmake", "--build", str(build_dir)]
+        if "MAX_JOBS" in os.environ:
+            build += ["--parallel", os.environ["MAX_JOBS"]]
+        subprocess.check_call(build)
+        subprocess.check_call(["cmake", "--install", str(build_dir)])
+        if self.editable_mode:
+            # Editable installs import from the source tree: put the libraries there too.
+            subprocess.check_call(["cmake", "--install", str(build_dir), "--prefix",
+                                   str(ROOT / "forgetting_transformer")])
+
+
+setup(
+    ext_modules=[CMakeExtension("forgetting_transformer._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)
