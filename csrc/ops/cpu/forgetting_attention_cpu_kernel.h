@@ -19,11 +19,12 @@
 #include <ATen/Parallel.h>
 #include "../params.h"
 #include "blas.h"
+#include "vectorized.h"
 
 namespace fox::cpu {
 
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 64;
+constexpr int64_t kBlockQ = 128;
+constexpr int64_t kBlockK = 256;
 
 // Pointers of one (sequence, head) pair.
 template <typename T>
@@ -124,31 +125,21 @@ void forward_kernel(const ForwardParams& p) {
         gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
                       hv.k + j0 * hv.ldk, hv.ldk, Acc(0), S.data(), kBlockK);
         for (int64_t r = 0; r < nq; ++r) {
-          const int64_t pos = anchor + r;
           Acc* srow = S.data() + r * kBlockK;
-          Acc tile_max = -std::numeric_limits<Acc>::infinity();
-          for (int64_t c = 0; c < nk; ++c) {
-            const int64_t j = j0 + c;
-            srow[c] = j <= pos ? srow[c] + (Rq[r] - Rk[c]) : -std::numeric_limits<Acc>::infinity();
-            tile_max = std::max(tile_max, srow[c]);
-          }
+          // keys after the query's position are masked (only in the diagonal tile)
+          const int64_t visible = std::clamp<int64_t>(anchor + r - j0 + 1, 0, nk);
+          const Acc tile_max = visible > 0 ? add_bias_and_max(srow, Rk.data(), Rq[r], visible)
+                                           : -std::numeric_limits<Acc>::infinity();
+          std::fill(srow + visible, srow + nk, -std::numeric_limits<Acc>::infinity());
           const Acc new_max = std::max(row_max[r], tile_max);
           if (new_max == -std::numeric_limits<Acc>::infinity()) {
             std::fill(srow, srow + nk, Acc(0));
             continue;
           }
           const Acc correction = std::exp(row_max[r] - new_max);
-          Acc tile_sum = 0;
-          for (int64_t c = 0; c < nk; ++c) {
-            srow[c] = std::exp(srow[c] - new_max);
-            tile_sum += srow[c];
-          }
-          row_sum[r] = row_sum[r] * correction + tile_sum;
+          row_sum[r] = row_sum[r] * correction + exp_and_sum(srow, new_max, nk);
           row_max[r] = new_max;
-          if (correction != Acc(1)) {
-            Acc* arow = acc.data() + r * D;
-            for (int64_t d = 0; d < D; ++d) arow[d] *= correction;
-          }
+          if (correction != Acc(1)) scale_row(acc.data() + r * D, correction, D);
         }
         gemm_ab<Acc>(nq, D, nk, Acc(1), S.data(), kBlockK, hv.v + j0 * hv.ldv, hv.ldv, Acc(1),
                      acc.data(), D);
@@ -175,24 +166,20 @@ void forward_kernel(const ForwardParams& p) {
 // deterministic; the price is recomputing S and dP in pass 2.
 
 // P and dS of one (query tile, key tile) pair, from the saved lse and delta = rowsum(dO * O).
-// On return P holds P and dP holds dS (without the softmax scale).
+// On entry P holds scale * q.k and dP holds dO.v; on return P holds P and dP holds dS (without
+// the softmax scale). Masked entries are zero.
 template <typename Acc>
-inline void probabilities_and_dscores(const BackwardParams& p, int64_t nq, int64_t nk,
-                                      const Acc* Rq, const Acc* Rk, int64_t first_q_pos,
-                                      int64_t j0, const Acc* lse, const Acc* delta, Acc* P,
-                                      Acc* dP, int64_t ld) {
+inline void probabilities_and_dscores(int64_t nq, int64_t nk, const Acc* Rq, const Acc* Rk,
+                                      int64_t first_q_pos, int64_t j0, const Acc* lse,
+                                      const Acc* delta, Acc* P, Acc* dP, int64_t ld) {
   for (int64_t r = 0; r < nq; ++r) {
-    const int64_t pos = first_q_pos + r;
-    const Acc l = lse[r];
     Acc* prow = P + r * ld;
     Acc* dprow = dP + r * ld;
-    const bool empty = std::isinf(l);
-    for (int64_t c = 0; c < nk; ++c) {
-      const int64_t j = j0 + c;
-      const Acc prob = (empty || j > pos) ? Acc(0) : std::exp(prow[c] + (Rq[r] - Rk[c]) - l);
-      prow[c] = prob;
-      dprow[c] = prob * (dprow[c] - delta[r]);
-    }
+    const int64_t visible =
+        std::isinf(lse[r]) ? 0 : std::clamp<int64_t>(first_q_pos + r - j0 + 1, 0, nk);
+    probs_and_dscores(prow, dprow, Rk, Rq[r], lse[r], delta[r], visible);
+    std::fill(prow + visible, prow + nk, Acc(0));
+    std::fill(dprow + visible, dprow + nk, Acc(0));
   }
 }
 
@@ -277,8 +264,8 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                           hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
             gemm_abt<Acc>(nq, nk, D, Acc(1), dout + i0 * p.do_row_stride, p.do_row_stride,
                           hv.v + j0 * hv.ldv, hv.ldv, Acc(0), dP.data(), kBlockK);
-            probabilities_and_dscores<Acc>(p, nq, nk, Rq.data(), Rk.data(), q_pos0, j0,
-                                           lse + i0, delta.data(), P.data(), dP.data(), kBlockK);
+            probabilities_and_dscores<Acc>(nq, nk, Rq.data(), Rk.data(), q_pos0, j0, lse + i0,
+                                           delta.data(), P.data(), dP.data(), kBlockK);
             // first_key masking: keys before it get no probability
             if (j0 < s.first_key) {
               for (int64_t r = 0; r < nq; ++r)
@@ -291,8 +278,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                           p.do_row_stride, Acc(1), dv.data(), D);
             gemm_atb<Acc>(nk, D, nq, static_cast<Acc>(p.scale), dP.data(), kBlockK,
                           hv.q + i0 * hv.ldq, hv.ldq, Acc(1), dk.data(), D);
-            for (int64_t r = 0; r < nq; ++r)
-              for (int64_t c = 0; c < nk; ++c) colsum[c] += dP[r * kBlockK + c];
+            for (int64_t r = 0; r < nq; ++r) add_row(colsum.data(), dP.data() + r * kBlockK, nk);
           }
         }
         for (int64_t c = 0; c < nk; ++c) dc_row[j0 + c] = -colsum[c];
@@ -350,7 +336,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                       hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
         gemm_abt<Acc>(nq, nk, D, Acc(1), dout, p.do_row_stride, hv.v + j0 * hv.ldv, hv.ldv, Acc(0),
                       dP.data(), kBlockK);
-        probabilities_and_dscores<Acc>(p, nq, nk, Rq.data(), Rk.data(), anchor, j0, lse,
+        probabilities_and_dscores<Acc>(nq, nk, Rq.data(), Rk.data(), anchor, j0, lse,
                                        delta.data(), P.data(), dP.data(), kBlockK);
         gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK, hv.k + j0 * hv.ldk,
                      hv.ldk, Acc(1), dq.data(), D);

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and build everything: system packages, pinned Python packages, then the
+# CMake build (libfox_torch, _C, Catch2 tests; the CUDA kernels when torch has CUDA) installed in
+# editable mode. Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  if ! dpkg -s catch2 ccache >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq catch2 ccache >/dev/null
+  fi
+fi
+
+# torch 2.14.1 is the CUDA 13.0 build: CI compiles and links the CUDA kernels against it.
+python3 -m pip install -q --disable-pip-version-check \
+  torch==2.14.1 numpy==2.4.1 ninja==1.13.2 pybind11==3.1.0 cmake==4.4.4 \
+  pytest==9.0.3 expecttest==0.3.0 setuptools==84.2.1
+
+source .ci/env.sh
+echo "CUDA toolkit: ${CUDA_HOME:-none (CPU-only build)}"
+MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install -q --no-build-isolation -e .

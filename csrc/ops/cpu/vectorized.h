@@ -1,0 +1,118 @@
+// Row-wise elementwise steps of the CPU kernels, written as plain loops that the compiler
+// vectorizes. float versions are cloned for AVX-512, AVX2 and baseline x86-64 and picked at load
+// time (GCC/Clang function multiversioning), so the library runs on any x86-64 CPU. float64 (the
+// gradcheck path) uses std::exp.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__NVCC__)
+#define FOX_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FOX_CPU_CLONES
+#endif
+
+namespace fox::cpu {
+namespace {
+
+// exp(x) for x <= 0 (and tiny positive x) to about 1 ulp, branch-free so loops vectorize:
+// 2^n * e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by its degree-7 Taylor polynomial.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.0f ? 0.f : p * scale;
+}
+
+// s[c] += bias_q - bias_k[c]; returns max_c s[c].
+FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const float* __restrict bias_k,
+                                      float bias_q, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < n; ++c) {
+    s[c] += bias_q - bias_k[c];
+    m = std::max(m, s[c]);
+  }
+  return m;
+}
+
+// s[c] = exp(s[c] - m); returns sum_c s[c].
+FOX_CPU_CLONES float exp_and_sum(float* __restrict s, float m, int64_t n) {
+  float sum = 0.f;
+  for (int64_t c = 0; c < n; ++c) {
+    s[c] = fast_exp(s[c] - m);
+    sum += s[c];
+  }
+  return sum;
+}
+
+// p[c] = exp(p[c] + bias_q - bias_k[c] - lse); dp[c] = p[c] * (dp[c] - delta)
+FOX_CPU_CLONES void probs_and_dscores(float* __restrict p, float* __restrict dp,
+                                      const float* __restrict bias_k, float bias_q, float lse,
+                                      float delta, int64_t n) {
+  const float shift = bias_q - lse;
+  for (int64_t c = 0; c < n; ++c) {
+    const float prob = fast_exp(p[c] + shift - bias_k[c]);
+    p[c] = prob;
+    dp[c] = prob * (dp[c] - delta);
+  }
+}
+
+FOX_CPU_CLONES void scale_row(float* __restrict x, float factor, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) x[c] *= factor;
+}
+
+FOX_CPU_CLONES void add_row(float* __restrict acc, const float* __restrict x, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += x[c];
+}
+
+// float64 versions: exactness over speed.
+inline double add_bias_and_max(double* s, const double* bias_k, double bias_q, int64_t n) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < n; ++c) {
+    s[c] += bias_q - bias_k[c];
+    m = std::max(m, s[c]);
+  }
+  return m;
+}
+
+inline double exp_and_sum(double* s, double m, int64_t n) {
+  double sum = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    s[c] = std::exp(s[c] - m);
+    sum += s[c];
+  }
+  return sum;
+}
+
+inline void probs_and_dscores(double* p, double* dp, const double* bias_k, double bias_q,
+                              double lse, double delta, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    const double prob = std::exp(p[c] + bias_q - bias_k[c] - lse);
+    p[c] = prob;
+    dp[c] = prob * (dp[c] - delta);
+  }
+}
+
+inline void scale_row(double* x, double factor, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) x[c] *= factor;
+}
+
+inline void add_row(double* acc, const double* x, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += x[c];
+}
+
+}  // namespace
+}  // namespace fox::cpu
