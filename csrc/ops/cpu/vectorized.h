@@ -1,5 +1,6 @@
 // Row-wise elementwise steps of the CPU kernels, written as plain loops that the compiler
-// vectorizes. float versions are cloned for AVX-512, AVX2 and baseline x86-64 and picked at load
+// vectorizes (reductions through `omp simd`, enabled by -fopenmp-simd, since strict IEEE order
+// would keep a float sum scalar). float versions are cloned for AVX-512, AVX2 and baseline x86-64 and picked at load
 // time (GCC/Clang function multiversioning), so the library runs on any x86-64 CPU. float64 (the
 // gradcheck path) uses std::exp.
 #pragma once
@@ -23,7 +24,9 @@ namespace {
 // 2^n * e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by its degree-7 Taylor polynomial.
 inline float fast_exp(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  // round to nearest by adding and removing 1.5 * 2^23 (vectorizes where floor may not)
+  constexpr float kRound = 12582912.0f;
+  const float n = (xc * 1.44269504088896341f + kRound) - kRound;
   const float r = xc - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
   float p = 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
@@ -41,6 +44,7 @@ inline float fast_exp(float x) {
 FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const float* __restrict bias_k,
                                       float bias_q, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < n; ++c) {
     s[c] += bias_q - bias_k[c];
     m = std::max(m, s[c]);
@@ -51,6 +55,7 @@ FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const float* __restri
 // s[c] = exp(s[c] - m); returns sum_c s[c].
 FOX_CPU_CLONES float exp_and_sum(float* __restrict s, float m, int64_t n) {
   float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < n; ++c) {
     s[c] = fast_exp(s[c] - m);
     sum += s[c];
