@@ -211,91 +211,16 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
     }
   });
 
-  // Pass 1: dK, dV, dc.
-  const int64_t max_k_tiles = (p.seqlen_k + kBlockK - 1) / kBlockK;
-  at::parallel_for(0, p.batch * Hkv * max_k_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dk(kBlockK * D), dv(kBlockK * D);
-    std::vector<Acc> Rk(kBlockK), Rq(kBlockQ), delta(kBlockQ), colsum(kBlockK);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task % max_k_tiles;
-      const int64_t hk = (task / max_k_tiles) % Hkv;
-      const SequenceView s = p.sequence(task / (max_k_tiles * Hkv));
-      const int64_t j0 = tile * kBlockK;
-      if (j0 >= s.len_k) continue;
-      const int64_t nk = std::min(kBlockK, s.len_k - j0);
-      const int64_t anchor = j0 + nk - 1;  // last key of the tile
-      std::fill(dk.begin(), dk.begin() + nk * D, Acc(0));
-      std::fill(dv.begin(), dv.begin() + nk * D, Acc(0));
-      const bool visible = anchor >= s.first_key;
-      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        const HeadView<T> hv = head_view<T>(p, s, h);
-        T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
-        std::fill(colsum.begin(), colsum.begin() + nk, Acc(0));
-        if (visible) {
-          relative_cumsum(hv.g, hv.g_stride, anchor, j0, anchor + 1, Rk.data());
-          const T* lse = static_cast<const T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
-          const T* delta_h = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
-          const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h);
-          // Query tiles from the first one that sees this key tile; positions of tile queries
-          // after the anchor extend the walk forward from it.
-          const int64_t offset = s.len_k - s.len_q;
-          int64_t i_begin = std::max<int64_t>(0, j0 - offset);
-          Acc carry = 0;             // R at the position just before the next query tile
-          int64_t carried_to = anchor;  // position that `carry` refers to
-          for (int64_t i0 = i_begin; i0 < s.len_q; i0 += kBlockQ) {
-            const int64_t nq = std::min(kBlockQ, s.len_q - i0);
-            const int64_t q_pos0 = i0 + offset;
-            for (int64_t r = 0; r < nq; ++r) {
-              const int64_t pos = q_pos0 + r;
-              if (pos <= anchor) {
-                Rq[r] = Rk[pos - j0];
-              } else {
-                while (carried_to < pos) {
-                  ++carried_to;
-                  carry += static_cast<Acc>(hv.g[carried_to * hv.g_stride]);
-                }
-                Rq[r] = carry;
-              }
-            }
-            // Largest bias of the pair: first query of the tile against the last key (R = 0).
-            if (static_cast<float>(Rq[0]) < p.prune_threshold) break;
-            for (int64_t r = 0; r < nq; ++r) delta[r] = delta_h[i0 + r];
-            gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
-                          hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
-            gemm_abt<Acc>(nq, nk, D, Acc(1), dout + i0 * p.do_row_stride, p.do_row_stride,
-                          hv.v + j0 * hv.ldv, hv.ldv, Acc(0), dP.data(), kBlockK);
-            probabilities_and_dscores<Acc>(nq, nk, Rq.data(), Rk.data(), q_pos0, j0, lse + i0,
-                                           delta.data(), P.data(), dP.data(), kBlockK);
-            // first_key masking: keys before it get no probability
-            if (j0 < s.first_key) {
-              for (int64_t r = 0; r < nq; ++r)
-                for (int64_t c = 0; c < std::min(nk, s.first_key - j0); ++c) {
-                  P[r * kBlockK + c] = 0;
-                  dP[r * kBlockK + c] = 0;
-                }
-            }
-            gemm_atb<Acc>(nk, D, nq, Acc(1), P.data(), kBlockK, dout + i0 * p.do_row_stride,
-                          p.do_row_stride, Acc(1), dv.data(), D);
-            gemm_atb<Acc>(nk, D, nq, static_cast<Acc>(p.scale), dP.data(), kBlockK,
-                          hv.q + i0 * hv.ldq, hv.ldq, Acc(1), dk.data(), D);
-            for (int64_t r = 0; r < nq; ++r) add_row(colsum.data(), dP.data() + r * kBlockK, nk);
-          }
-        }
-        for (int64_t c = 0; c < nk; ++c) dc_row[j0 + c] = -colsum[c];
-      }
-      T* dk_out = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
-                  (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
-      T* dv_out = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
-                  (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
-      for (int64_t c = 0; c < nk; ++c)
-        for (int64_t d = 0; d < D; ++d) {
-          dk_out[c * p.dk_row_stride + d] = static_cast<T>(dk[c * D + d]);
-          dv_out[c * p.dv_row_stride + d] = static_cast<T>(dv[c * D + d]);
-        }
-    }
-  });
+  auto write_dq = [&](const SequenceView& s, int64_t h, int64_t i0, int64_t nq, const Acc* dq) {
+    T* dq_out = static_cast<T*>(p.dq) + s.batch_index * p.dq_batch_stride +
+                (s.row_q + i0) * p.dq_row_stride + h * p.dq_head_stride;
+    for (int64_t r = 0; r < nq; ++r)
+      for (int64_t d = 0; d < D; ++d) dq_out[r * p.dq_row_stride + d] = static_cast<T>(dq[r * D + d]);
+  };
 
-  // Pass 2: dQ, walking key tiles from the diagonal backwards as the forward does.
+  // dQ on its own, per (sequence, head, query tile), walking key tiles from the diagonal
+  // backwards as the forward does.
+  auto dq_pass = [&]() {
   const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
   at::parallel_for(0, p.batch * H * max_q_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq(kBlockQ * D);
@@ -342,13 +267,128 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                      hv.ldk, Acc(1), dq.data(), D);
         j1 = j0;
       }
-      T* dq_out = static_cast<T*>(p.dq) + s.batch_index * p.dq_batch_stride +
-                  (s.row_q + i0) * p.dq_row_stride + h * p.dq_head_stride;
-      for (int64_t r = 0; r < nq; ++r)
-        for (int64_t d = 0; d < D; ++d) dq_out[r * p.dq_row_stride + d] = static_cast<T>(dq[r * D + d]);
+      write_dq(s, h, i0, nq, dq.data());
     }
   });
+  };
 
+  // dK, dV and dc of one key tile (all heads of its kv group); with dq_acc (group x len_q x D,
+  // float accumulators of this sequence) it also adds the tile's part of dQ.
+  struct TileBuffers {
+    std::vector<Acc> P, dP, dk, dv, Rk, Rq, delta, colsum;
+    explicit TileBuffers(int64_t D)
+        : P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dk(kBlockK * D), dv(kBlockK * D),
+          Rk(kBlockK), Rq(kBlockQ), delta(kBlockQ), colsum(kBlockK) {}
+  };
+  auto key_tile = [&](TileBuffers& buf, const SequenceView& s, int64_t hk, int64_t tile,
+                      Acc* dq_acc) {
+    auto& [P, dP, dk, dv, Rk, Rq, delta, colsum] = buf;
+    const int64_t j0 = tile * kBlockK;
+    if (j0 >= s.len_k) return;
+    const int64_t nk = std::min(kBlockK, s.len_k - j0);
+    const int64_t anchor = j0 + nk - 1;  // last key of the tile
+    std::fill(dk.begin(), dk.begin() + nk * D, Acc(0));
+    std::fill(dv.begin(), dv.begin() + nk * D, Acc(0));
+    const bool visible = anchor >= s.first_key;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const HeadView<T> hv = head_view<T>(p, s, h);
+      T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
+      std::fill(colsum.begin(), colsum.begin() + nk, Acc(0));
+      if (visible) {
+        relative_cumsum(hv.g, hv.g_stride, anchor, j0, anchor + 1, Rk.data());
+        const T* lse = static_cast<const T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+        const T* delta_h = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+        const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h);
+        // Query tiles from the first one that sees this key tile; positions of tile queries
+        // after the anchor extend the walk forward from it.
+        const int64_t offset = s.len_k - s.len_q;
+        int64_t i_begin = std::max<int64_t>(0, j0 - offset);
+        Acc carry = 0;             // R at the position just before the next query tile
+        int64_t carried_to = anchor;  // position that `carry` refers to
+        for (int64_t i0 = i_begin; i0 < s.len_q; i0 += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, s.len_q - i0);
+          const int64_t q_pos0 = i0 + offset;
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t pos = q_pos0 + r;
+            if (pos <= anchor) {
+              Rq[r] = Rk[pos - j0];
+            } else {
+              while (carried_to < pos) {
+                ++carried_to;
+                carry += static_cast<Acc>(hv.g[carried_to * hv.g_stride]);
+              }
+              Rq[r] = carry;
+            }
+          }
+          // Largest bias of the pair: first query of the tile against the last key (R = 0).
+          if (static_cast<float>(Rq[0]) < p.prune_threshold) break;
+          for (int64_t r = 0; r < nq; ++r) delta[r] = delta_h[i0 + r];
+          gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
+                        hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
+          gemm_abt<Acc>(nq, nk, D, Acc(1), dout + i0 * p.do_row_stride, p.do_row_stride,
+                        hv.v + j0 * hv.ldv, hv.ldv, Acc(0), dP.data(), kBlockK);
+          probabilities_and_dscores<Acc>(nq, nk, Rq.data(), Rk.data(), q_pos0, j0, lse + i0,
+                                         delta.data(), P.data(), dP.data(), kBlockK);
+          // first_key masking: keys before it get no probability
+          if (j0 < s.first_key) {
+            for (int64_t r = 0; r < nq; ++r)
+              for (int64_t c = 0; c < std::min(nk, s.first_key - j0); ++c) {
+                P[r * kBlockK + c] = 0;
+                dP[r * kBlockK + c] = 0;
+              }
+          }
+          gemm_atb<Acc>(nk, D, nq, Acc(1), P.data(), kBlockK, dout + i0 * p.do_row_stride,
+                        p.do_row_stride, Acc(1), dv.data(), D);
+          gemm_atb<Acc>(nk, D, nq, static_cast<Acc>(p.scale), dP.data(), kBlockK,
+                        hv.q + i0 * hv.ldq, hv.ldq, Acc(1), dk.data(), D);
+          for (int64_t r = 0; r < nq; ++r) add_row(colsum.data(), dP.data() + r * kBlockK, nk);
+          if (dq_acc != nullptr) {
+            gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK,
+                         hv.k + j0 * hv.ldk, hv.ldk, Acc(1),
+                         dq_acc + ((h - hk * group) * s.len_q + i0) * D, D);
+          }
+        }
+      }
+      for (int64_t c = 0; c < nk; ++c) dc_row[j0 + c] = -colsum[c];
+    }
+    T* dk_out = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
+                (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
+    T* dv_out = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
+                (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
+    for (int64_t c = 0; c < nk; ++c)
+      for (int64_t d = 0; d < D; ++d) {
+        dk_out[c * p.dk_row_stride + d] = static_cast<T>(dk[c * D + d]);
+        dv_out[c * p.dv_row_stride + d] = static_cast<T>(dv[c * D + d]);
+      }
+  };
+
+  const int64_t max_k_tiles = (p.seqlen_k + kBlockK - 1) / kBlockK;
+  if (p.batch * Hkv >= at::get_num_threads()) {
+    // Enough (sequence, kv head) pairs to fill the cores: one pass per pair, dQ accumulated in a
+    // float buffer of the pair (group x len_q x D), visiting key tiles in order (deterministic).
+    at::parallel_for(0, p.batch * Hkv, 1, [&](int64_t begin, int64_t end) {
+      TileBuffers buf(D);
+      std::vector<Acc> dq_acc;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t hk = task % Hkv;
+        const SequenceView s = p.sequence(task / Hkv);
+        dq_acc.assign(group * s.len_q * D, Acc(0));
+        for (int64_t tile = 0; tile * kBlockK < s.len_k; ++tile) key_tile(buf, s, hk, tile, dq_acc.data());
+        for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+          write_dq(s, h, 0, s.len_q, dq_acc.data() + (h - hk * group) * s.len_q * D);
+      }
+    });
+  } else {
+    // Few pairs: spread the key tiles over the cores, then compute dQ in a second pass.
+    at::parallel_for(0, p.batch * Hkv * max_k_tiles, 1, [&](int64_t begin, int64_t end) {
+      TileBuffers buf(D);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t hk = (task / max_k_tiles) % Hkv;
+        key_tile(buf, p.sequence(task / (max_k_tiles * Hkv)), hk, task % max_k_tiles, nullptr);
+      }
+    });
+    dq_pass();
+  }
   // Pass 3: dlog_fgate_t = sum_{u >= t} dc_u within each sequence (accumulated in double).
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {

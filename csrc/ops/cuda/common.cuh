@@ -1,0 +1,163 @@
+// Device helpers shared by the CUDA kernels: element conversions, warp scans and reductions,
+// per-(sequence, head) pointers and the tile-local gate sums. No ATen here: kernels see params.h.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "../params.h"
+
+namespace fox::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- element conversions ----------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ---- warp primitives --------------------------------------------------------------------------
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+// Inclusive prefix sum over lanes 0..lane.
+__device__ __forceinline__ float warp_inclusive_scan(float x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+// Inclusive suffix sum over lanes lane..31.
+__device__ __forceinline__ float warp_inclusive_suffix_scan(float x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_down_sync(0xffffffffu, x, o);
+    if (lane + o < 32) x += y;
+  }
+  return x;
+}
+
+// ---- where one (sequence, head) lives ----------------------------------------------------------
+template <typename T>
+struct HeadPointers {
+  const T* q;       // row i of the sequence at q + i * q_row
+  const T* k;
+  const T* v;
+  const float* g;   // log f of position x at g + x * g_row
+  int64_t q_row, k_row, v_row, g_row;
+};
+
+template <typename T>
+__device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
+                                                         const SequenceView& s, int64_t h) {
+  const int64_t hk = h / p.heads_per_kv_head();
+  HeadPointers<T> hp;
+  hp.q = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride + s.row_q * p.q_row_stride +
+         h * p.q_head_stride;
+  hp.k = static_cast<const T*>(p.k) + s.batch_index * p.k_batch_stride + s.row_k * p.k_row_stride +
+         hk * p.k_head_stride;
+  hp.v = static_cast<const T*>(p.v) + s.batch_index * p.v_batch_stride + s.row_k * p.v_row_stride +
+         hk * p.v_head_stride;
+  hp.g = static_cast<const float*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
+         s.row_k * p.g_row_stride + h * p.g_head_stride;
+  hp.q_row = p.q_row_stride;
+  hp.k_row = p.k_row_stride;
+  hp.v_row = p.v_row_stride;
+  hp.g_row = p.g_row_stride;
+  return hp;
+}
+
+// Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.
+__device__ __forceinline__ int64_t row_stat_offset(const ForwardParams& p, const SequenceView& s,
+                                                   int64_t h) {
+  return (s.batch_index * p.num_heads + h) * p.seqlen_q + s.row_q;
+}
+
+// ---- tile-local gate sums ----------------------------------------------------------------------
+// R_x = c_x - c_a for an anchor a, always computed by sums that start at a, so the error of the
+// bias d_ij = R_{p_i} - R_j grows with the distance i - j and never with the absolute position.
+
+// Walks 32-key tiles downwards from an anchor a. `carry` holds R at `boundary` (a position <= a);
+// keys below it get R_j = carry - sum_{l=j+1..boundary} g_l through a suffix scan of one warp.
+struct DownwardGateWalk {
+  float carry = 0.f;      // R at `boundary`
+  int64_t boundary = 0;   // every key >= boundary already has its R
+
+  // R of key j = j0 + lane (j0 + 32 <= boundary + 32). Keys >= boundary are left to the caller
+  // (they lie at or after the anchor); all lanes return the same updated carry.
+  __device__ __forceinline__ float step(const float* g, int64_t g_row, int64_t j0, int lane) {
+    const int64_t j = j0 + lane;
+    const bool below = j < boundary;
+    const float term = below ? g[(j + 1) * g_row] : 0.f;
+    const float suffix = warp_inclusive_suffix_scan(term, lane);
+    const float r = carry - suffix;
+    const float total = __shfl_sync(0xffffffffu, suffix, 0);
+    if (j0 < boundary) {
+      carry -= total;
+      boundary = j0;
+    }
+    return below ? r : 0.f;
+  }
+};
+
+// Walks 32-query tiles upwards from an anchor b (the last key of a key tile): `carry` holds R at
+// `boundary` (>= b); positions after it get R_p = carry + sum_{l=boundary+1..p} g_l.
+struct UpwardGateWalk {
+  float carry = 0.f;
+  int64_t boundary = 0;
+
+  // R of position p = p0 + lane (valid when p > boundary, p < limit); returns 0 elsewhere.
+  __device__ __forceinline__ float step(const float* g, int64_t g_row, int64_t p0, int64_t limit,
+                                        int lane) {
+    const int64_t pos = p0 + lane;
+    const bool above = pos > boundary && pos < limit;
+    const float term = above ? g[pos * g_row] : 0.f;
+    const float prefix = warp_inclusive_scan(term, lane);
+    const float r = carry + prefix;
+    const int64_t last = min(p0 + 31, limit - 1);
+    if (last > boundary) {
+      carry += __shfl_sync(0xffffffffu, prefix, 31);
+      boundary = last;
+    }
+    return above ? r : 0.f;
+  }
+};
+
+// Query-tile R relative to its first position a: R_{a+r} = sum_{l=a+1..a+r} g_l, for r < n (one
+// warp per 32 positions; `run` carries the sum of the previous 32-position chunks of the tile).
+__device__ __forceinline__ float query_tile_R(const float* g, int64_t g_row, int64_t a, int r,
+                                             int n, int lane, float& run) {
+  const float term = (r > 0 && r < n) ? g[(a + r) * g_row] : 0.f;
+  const float prefix = warp_inclusive_scan(term, lane);
+  const float out = run + prefix;
+  run += __shfl_sync(0xffffffffu, prefix, 31);
+  return out;
+}
+
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+}  // namespace fox::cuda
