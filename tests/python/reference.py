@@ -9,7 +9,7 @@ The reference materializes everything (design.md section 1):
 
 with the Tq queries at the LAST Tq of the Tk key positions. It is meant to be evaluated in float64
 (the "truth"); `naive_attention(..., dtype=torch.bfloat16)` evaluates the very same formula in a
-low precision, which is the yardstick of the tolerance rule (see `assert_within_rule`).
+low precision, which is the yardstick of the tolerance rule (see `rule_violations`).
 Gradients come from torch.autograd through this code.
 """
 import math
@@ -91,17 +91,19 @@ def naive_attention(
 # ---- tolerance rule ------------------------------------------------------------------------------
 
 # Floors of the rule, relative to the magnitude of the reference (max |ref|, at least 1). They only
-# matter where the naive low-precision formula happens to be (almost) exact -- e.g. seqlen 1, where
-# out == v -- and they are a fraction of one unit in the last place of the dtype at that magnitude:
-# fp32 eps 1.2e-7 -> 1e-5 allows ~100 ulps of accumulation noise over long sums; fp16 eps 9.8e-4 ->
-# 1e-3; bf16 eps 7.8e-3 -> 4e-3 (half an ulp: bf16 rounding of an exactly computed value). fp64 is
-# its own reference (the naive error is 0), so its floor is all of its tolerance: 1e-10 leaves
-# room for the different summation order with |c| up to ~1e5.
+# matter where the naive low-precision formula happens to be (almost) exact -- seqlen 1 (out == v),
+# log f == 0 with tiny heads -- so that a kernel which rounds differently is not failed for noise:
+#   fp32: 1e-5, ~80 ulps (eps 1.2e-7) of accumulation noise in sums of hundreds of terms;
+#   fp16: 2e-3, bf16: 1.6e-2: two ulps (eps 9.8e-4 / 7.8e-3): the final rounding, plus the
+#         rounding of the saved output O, which the backward uses for delta = rowsum(dO * O) as
+#         FlashAttention does (the naive formula's autograd keeps O unrounded);
+#   fp64: the naive formula IS the reference (error 0), so the floor is the whole tolerance; 1e-10
+#         covers a different summation order of c with |c| up to ~1e4 (1e4 * 1.1e-16 * 100).
 FLOORS = {
     torch.float64: 1e-10,
     torch.float32: 1e-5,
-    torch.float16: 1e-3,
-    torch.bfloat16: 4e-3,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
 }
 
 
@@ -111,24 +113,29 @@ def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double()).abs().max().item()
 
 
-def assert_within_rule(name: str, got: torch.Tensor, ref: torch.Tensor, naive: torch.Tensor,
-                       dtype: torch.dtype, factor: float = 2.0) -> None:
-    """FlashAttention's rule: |got - ref| <= factor * |naive - ref| + floor (max norms).
+def rule_violations(names, got, ref, naive, dtype, factor=2.0):
+    """FlashAttention's rule, per result: |got - ref| <= factor * |naive - ref| + floor (max norms).
 
-    got: the kernel's result; ref: the float64 reference; naive: the same formula evaluated in the
-    kernel's dtype (its error is what "as accurate as the dtype allows" means).
+    got: the op's results; ref: the float64 reference; naive: the same formula evaluated in the
+    op's dtype (its error is what "as accurate as the dtype allows" means). Returns a message for
+    every result that breaks the rule (empty list: all good).
     """
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{name}: non-finite values in the kernel's result"
-    err = max_abs_err(got, ref)
-    naive_err = max_abs_err(naive, ref)
-    scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
-    floor = FLOORS[dtype] * scale
-    bound = factor * naive_err + floor
-    assert err <= bound, (
-        f"{name} ({dtype}): kernel error {err:.3e} > {factor} x naive-{dtype} error "
-        f"{naive_err:.3e} + floor {floor:.1e} (max|ref| {scale:.3g})"
-    )
+    problems = []
+    for name, g, r, n in zip(names, got, ref, naive):
+        if g.shape != r.shape:
+            problems.append(f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}")
+            continue
+        if not torch.isfinite(g).all():
+            problems.append(f"{name}: non-finite values")
+            continue
+        err, naive_err = max_abs_err(g, r), max_abs_err(n, r)
+        scale = max(1.0, r.abs().max().item()) if r.numel() else 1.0
+        bound = factor * naive_err + FLOORS[dtype] * scale
+        if err > bound:
+            ratio = err / max(naive_err, 1e-300)
+            problems.append(f"{name}: error {err:.3e} > bound {bound:.3e} (naive-{dtype} error "
+                            f"{naive_err:.3e}, ratio {ratio:.1f}x; max|ref| {scale:.3g})")
+    return problems
 
 
 def forward_backward(fn, inputs: Sequence[torch.Tensor], grad_out: torch.Tensor):

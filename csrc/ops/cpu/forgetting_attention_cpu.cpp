@@ -73,10 +73,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     detail::fill_backward_params(p, doc, dq, dk, dv, dg);
     auto dc = at::empty({q.size(0), q.size(2), k.size(1)}, q.options().dtype(dtype));
     auto delta = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(dtype));
+    auto rowsum = at::empty_like(delta);
     if (dtype == at::kDouble) {
-      backward_kernel<double>(p, dc.data_ptr<double>(), delta.data_ptr<double>());
+      backward_kernel<double>(p, dc.data_ptr<double>(), delta.data_ptr<double>(),
+                              rowsum.data_ptr<double>());
     } else {
-      backward_kernel<float>(p, dc.data_ptr<float>(), delta.data_ptr<float>());
+      backward_kernel<float>(p, dc.data_ptr<float>(), delta.data_ptr<float>(),
+                             rowsum.data_ptr<float>());
     }
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()),

@@ -57,19 +57,22 @@ inline HeadView<T> head_view(const ForwardParams& p, const SequenceView& s, int6
 
 // Gate sums relative to an anchor position a: R[x] = c_x - c_a for x in [lo, hi), computed by
 // walking away from a. Storage is indexed by x - lo.
-template <typename Acc>
-inline void relative_cumsum(const Acc* g, int64_t g_stride, int64_t anchor, int64_t lo,
-                            int64_t hi, Acc* R) {
+// Gate sums are kept in float64 (see vectorized.h); the walk costs O(tile) per tile.
+using Bias = double;
+
+template <typename G>
+inline void relative_cumsum(const G* g, int64_t g_stride, int64_t anchor, int64_t lo,
+                            int64_t hi, Bias* R) {
   if (anchor >= lo && anchor < hi) R[anchor - lo] = 0;
-  Acc run = 0;
+  Bias run = 0;
   for (int64_t x = std::max(anchor + 1, lo); x < hi; ++x) {
     // callers pass ranges that contain the anchor, so the walk covers every position in between
-    run += static_cast<Acc>(g[x * g_stride]);
+    run += static_cast<Bias>(g[x * g_stride]);
     R[x - lo] = run;
   }
   run = 0;
   for (int64_t x = std::min(anchor, hi) - 1; x >= lo; --x) {
-    run -= static_cast<Acc>(g[(x + 1) * g_stride]);
+    run -= static_cast<Bias>(g[(x + 1) * g_stride]);
     R[x - lo] = run;
   }
 }
@@ -86,7 +89,7 @@ void forward_kernel(const ForwardParams& p) {
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * D), row_max(kBlockQ), row_sum(kBlockQ);
-    std::vector<Acc> Rq(kBlockQ), Rk(kBlockK);
+    std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % max_q_tiles;
       const int64_t h = (task / max_q_tiles) % H;
@@ -104,7 +107,7 @@ void forward_kernel(const ForwardParams& p) {
       std::fill(row_sum.begin(), row_sum.end(), Acc(0));
 
       // Walk key tiles [j0, j1) downwards from the one that holds the last query's position.
-      Acc carry = 0;         // R at position j1 (the key just after the current tile)
+      Bias carry = 0;         // R at position j1 (the key just after the current tile)
       int64_t j1 = last_pos + 1;
       while (j1 > s.first_key) {
         const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
@@ -114,7 +117,7 @@ void forward_kernel(const ForwardParams& p) {
           if (j >= anchor) {
             Rk[j - j0] = Rq[j - anchor];
           } else {
-            carry -= static_cast<Acc>(hv.g[(j + 1) * hv.g_stride]);
+            carry -= static_cast<Bias>(hv.g[(j + 1) * hv.g_stride]);
             Rk[j - j0] = carry;
           }
         }
@@ -169,7 +172,7 @@ void forward_kernel(const ForwardParams& p) {
 // On entry P holds scale * q.k and dP holds dO.v; on return P holds P and dP holds dS (without
 // the softmax scale). Masked entries are zero.
 template <typename Acc>
-inline void probabilities_and_dscores(int64_t nq, int64_t nk, const Acc* Rq, const Acc* Rk,
+inline void probabilities_and_dscores(int64_t nq, int64_t nk, const Bias* Rq, const Bias* Rk,
                                       int64_t first_q_pos, int64_t j0, const Acc* lse,
                                       const Acc* delta, Acc* P, Acc* dP, int64_t ld) {
   for (int64_t r = 0; r < nq; ++r) {
@@ -185,7 +188,8 @@ inline void probabilities_and_dscores(int64_t nq, int64_t nk, const Acc* Rq, con
 
 template <typename T>
 void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) scratch */,
-                     T* delta_buf /* (batch, heads, seqlen_q) scratch */) {
+                     T* delta_buf /* (batch, heads, seqlen_q) scratch */,
+                     T* rowsum_buf /* (batch, heads, seqlen_q) scratch */) {
   using Acc = T;
   const int64_t D = p.head_dim, H = p.num_heads, Hkv = p.num_kv_heads;
   const int64_t group = p.heads_per_kv_head();
@@ -224,7 +228,8 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
   const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
   at::parallel_for(0, p.batch * H * max_q_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq(kBlockQ * D);
-    std::vector<Acc> Rq(kBlockQ), Rk(kBlockK), delta(kBlockQ);
+    std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
+    std::vector<Acc> delta(kBlockQ), rowsum(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % max_q_tiles;
       const int64_t h = (task / max_q_tiles) % H;
@@ -242,8 +247,9 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
       const T* dout = out_row(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, s, h) +
                       i0 * p.do_row_stride;
       std::fill(dq.begin(), dq.begin() + nq * D, Acc(0));
+      std::fill(rowsum.begin(), rowsum.end(), Acc(0));
 
-      Acc carry = 0;
+      Bias carry = 0;
       int64_t j1 = last_pos + 1;
       while (j1 > s.first_key) {
         const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
@@ -252,7 +258,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
           if (j >= anchor) {
             Rk[j - j0] = Rq[j - anchor];
           } else {
-            carry -= static_cast<Acc>(hv.g[(j + 1) * hv.g_stride]);
+            carry -= static_cast<Bias>(hv.g[(j + 1) * hv.g_stride]);
             Rk[j - j0] = carry;
           }
         }
@@ -265,23 +271,28 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                                        delta.data(), P.data(), dP.data(), kBlockK);
         gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK, hv.k + j0 * hv.ldk,
                      hv.ldk, Acc(1), dq.data(), D);
+        for (int64_t r = 0; r < nq; ++r) rowsum[r] += sum_row(dP.data() + r * kBlockK, nk);
         j1 = j0;
       }
       write_dq(s, h, i0, nq, dq.data());
+      std::copy_n(rowsum.data(), nq, rowsum_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0);
     }
   });
   };
 
-  // dK, dV and dc of one key tile (all heads of its kv group); with dq_acc (group x len_q x D,
-  // float accumulators of this sequence) it also adds the tile's part of dQ.
+  // dK, dV and the column sums of dS of one key tile (all heads of its kv group); with dq_acc
+  // (group x len_q x D) and rowsum_acc (group x len_q), accumulators of this sequence, it also adds
+  // the tile's part of dQ and of the row sums of dS.
   struct TileBuffers {
-    std::vector<Acc> P, dP, dk, dv, Rk, Rq, delta, colsum;
+    std::vector<Acc> P, dP, dk, dv;
+    std::vector<Bias> Rk, Rq;
+    std::vector<Acc> delta, colsum;
     explicit TileBuffers(int64_t D)
         : P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dk(kBlockK * D), dv(kBlockK * D),
           Rk(kBlockK), Rq(kBlockQ), delta(kBlockQ), colsum(kBlockK) {}
   };
   auto key_tile = [&](TileBuffers& buf, const SequenceView& s, int64_t hk, int64_t tile,
-                      Acc* dq_acc) {
+                      Acc* dq_acc, Acc* rowsum_acc) {
     auto& [P, dP, dk, dv, Rk, Rq, delta, colsum] = buf;
     const int64_t j0 = tile * kBlockK;
     if (j0 >= s.len_k) return;
@@ -303,7 +314,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
         // after the anchor extend the walk forward from it.
         const int64_t offset = s.len_k - s.len_q;
         int64_t i_begin = std::max<int64_t>(0, j0 - offset);
-        Acc carry = 0;             // R at the position just before the next query tile
+        Bias carry = 0;             // R at the position just before the next query tile
         int64_t carried_to = anchor;  // position that `carry` refers to
         for (int64_t i0 = i_begin; i0 < s.len_q; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, s.len_q - i0);
@@ -315,7 +326,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
             } else {
               while (carried_to < pos) {
                 ++carried_to;
-                carry += static_cast<Acc>(hv.g[carried_to * hv.g_stride]);
+                carry += static_cast<Bias>(hv.g[carried_to * hv.g_stride]);
               }
               Rq[r] = carry;
             }
@@ -343,9 +354,11 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
                         hv.q + i0 * hv.ldq, hv.ldq, Acc(1), dk.data(), D);
           for (int64_t r = 0; r < nq; ++r) add_row(colsum.data(), dP.data() + r * kBlockK, nk);
           if (dq_acc != nullptr) {
+            const int64_t row = (h - hk * group) * s.len_q + i0;
             gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK,
-                         hv.k + j0 * hv.ldk, hv.ldk, Acc(1),
-                         dq_acc + ((h - hk * group) * s.len_q + i0) * D, D);
+                         hv.k + j0 * hv.ldk, hv.ldk, Acc(1), dq_acc + row * D, D);
+            for (int64_t r = 0; r < nq; ++r)
+              rowsum_acc[row + r] += sum_row(dP.data() + r * kBlockK, nk);
           }
         }
       }
@@ -368,14 +381,20 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
     // float buffer of the pair (group x len_q x D), visiting key tiles in order (deterministic).
     at::parallel_for(0, p.batch * Hkv, 1, [&](int64_t begin, int64_t end) {
       TileBuffers buf(D);
-      std::vector<Acc> dq_acc;
+      std::vector<Acc> dq_acc, rowsum_acc;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t hk = task % Hkv;
         const SequenceView s = p.sequence(task / Hkv);
         dq_acc.assign(group * s.len_q * D, Acc(0));
-        for (int64_t tile = 0; tile * kBlockK < s.len_k; ++tile) key_tile(buf, s, hk, tile, dq_acc.data());
-        for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-          write_dq(s, h, 0, s.len_q, dq_acc.data() + (h - hk * group) * s.len_q * D);
+        rowsum_acc.assign(group * s.len_q, Acc(0));
+        for (int64_t tile = 0; tile * kBlockK < s.len_k; ++tile)
+          key_tile(buf, s, hk, tile, dq_acc.data(), rowsum_acc.data());
+        for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+          const int64_t local = h - hk * group;
+          write_dq(s, h, 0, s.len_q, dq_acc.data() + local * s.len_q * D);
+          std::copy_n(rowsum_acc.data() + local * s.len_q, s.len_q,
+                      rowsum_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q);
+        }
       }
     });
   } else {
@@ -384,22 +403,28 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
       TileBuffers buf(D);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t hk = (task / max_k_tiles) % Hkv;
-        key_tile(buf, p.sequence(task / (max_k_tiles * Hkv)), hk, task % max_k_tiles, nullptr);
+        key_tile(buf, p.sequence(task / (max_k_tiles * Hkv)), hk, task % max_k_tiles, nullptr,
+                 nullptr);
       }
     });
     dq_pass();
   }
-  // Pass 3: dlog_fgate_t = sum_{u >= t} dc_u within each sequence (accumulated in double).
+  // dlog_fgate_t = sum_{u >= t} dc_u with dc_u = rowsum_u(dS) - colsum_u(dS), accumulated in
+  // float64. The row sums vanish in exact arithmetic, but not for a saved O rounded to bf16/fp16
+  // (delta = dO.O then misses dO.(O - round(O))), and the reverse cumsum would add that error up.
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const SequenceView s = p.sequence(bh / H);
       const int64_t h = bh % H;
       const T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
-      T* dg = static_cast<T*>(p.dlog_fgate) + s.batch_index * p.dg_batch_stride + s.row_k * p.dg_row_stride +
-                  h * p.dg_head_stride;
+      const T* rowsum_row = rowsum_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q;
+      const int64_t offset = s.len_k - s.len_q;
+      T* dg = static_cast<T*>(p.dlog_fgate) + s.batch_index * p.dg_batch_stride +
+              s.row_k * p.dg_row_stride + h * p.dg_head_stride;
       double run = 0;
       for (int64_t t = s.len_k - 1; t >= 0; --t) {
         run += dc_row[t];
+        if (t >= offset) run += rowsum_row[t - offset];
         dg[t * p.dg_row_stride] = static_cast<T>(run);
       }
     }

@@ -40,13 +40,16 @@ inline float fast_exp(float x) {
   return x < -87.0f ? 0.f : p * scale;
 }
 
+// The gate sums (bias_q, bias_k) are float64: d = bias_q - bias_k[c] is a difference of two sums
+// over up to a tile of strongly forgetting gates, which float32 would not resolve.
+
 // s[c] += bias_q - bias_k[c]; returns max_c s[c].
-FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const float* __restrict bias_k,
-                                      float bias_q, int64_t n) {
+FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const double* __restrict bias_k,
+                                      double bias_q, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < n; ++c) {
-    s[c] += bias_q - bias_k[c];
+    s[c] += static_cast<float>(bias_q - bias_k[c]);
     m = std::max(m, s[c]);
   }
   return m;
@@ -65,11 +68,10 @@ FOX_CPU_CLONES float exp_and_sum(float* __restrict s, float m, int64_t n) {
 
 // p[c] = exp(p[c] + bias_q - bias_k[c] - lse); dp[c] = p[c] * (dp[c] - delta)
 FOX_CPU_CLONES void probs_and_dscores(float* __restrict p, float* __restrict dp,
-                                      const float* __restrict bias_k, float bias_q, float lse,
+                                      const double* __restrict bias_k, double bias_q, float lse,
                                       float delta, int64_t n) {
-  const float shift = bias_q - lse;
   for (int64_t c = 0; c < n; ++c) {
-    const float prob = fast_exp(p[c] + shift - bias_k[c]);
+    const float prob = fast_exp(p[c] + static_cast<float>(bias_q - bias_k[c]) - lse);
     p[c] = prob;
     dp[c] = prob * (dp[c] - delta);
   }
@@ -81,6 +83,13 @@ FOX_CPU_CLONES void scale_row(float* __restrict x, float factor, int64_t n) {
 
 FOX_CPU_CLONES void add_row(float* __restrict acc, const float* __restrict x, int64_t n) {
   for (int64_t c = 0; c < n; ++c) acc[c] += x[c];
+}
+
+FOX_CPU_CLONES float sum_row(const float* __restrict x, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < n; ++c) sum += x[c];
+  return sum;
 }
 
 // float64 versions: exactness over speed.
@@ -117,6 +126,12 @@ inline void scale_row(double* x, double factor, int64_t n) {
 
 inline void add_row(double* acc, const double* x, int64_t n) {
   for (int64_t c = 0; c < n; ++c) acc[c] += x[c];
+}
+
+inline double sum_row(const double* x, int64_t n) {
+  double sum = 0;
+  for (int64_t c = 0; c < n; ++c) sum += x[c];
+  return sum;
 }
 
 }  // namespace

@@ -1,0 +1,110 @@
+"""The installed package is usable from CMake: configure and build tests/cpp/consumer (a tiny app
+that does find_package(fox_torch) and links fox::fox_torch) against the installed
+forgetting_transformer package and torch, run it, and check what it prints against the same
+computation done here through torch.ops.fox."""
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils
+
+import forgetting_transformer
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONSUMER_DIR = REPO_ROOT / "tests" / "cpp" / "consumer"
+
+
+def _run(cmd, cwd=None, timeout=300):
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
+        f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    )
+    return proc.stdout
+
+
+def _configure_args(src: Path, build: Path) -> list:
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja on PATH")
+    prefix = ";".join([forgetting_transformer.cmake_prefix_path, torch.utils.cmake_prefix_path])
+    args = [
+        cmake, "-G", "Ninja", "-S", src, "-B", build,
+        f"-DCMAKE_MAKE_PROGRAM={ninja}",
+        f"-DCMAKE_PREFIX_PATH={prefix}",
+        "-DCMAKE_BUILD_TYPE=Release",
+    ]
+    if torch.version.cuda:
+        # A CUDA-enabled LibTorch looks for a CUDA toolkit when it is configured: CUDA_HOME (as
+        # .ci/env.sh sets it), else the toolkit that .ci/env.sh assembles in build/cuda-toolkit.
+        cuda_home = os.environ.get("CUDA_HOME")
+        assembled = REPO_ROOT / "build" / "cuda-toolkit"
+        if not cuda_home and (assembled / "bin" / "nvcc").exists():
+            cuda_home = str(assembled)
+        if not cuda_home:
+            pytest.skip("torch has CUDA: set CUDA_HOME to a CUDA toolkit for find_package(Torch) "
+                        "(source .ci/env.sh)")
+        args += [
+            f"-DCUDAToolkit_ROOT={cuda_home}",
+            f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}",
+            f"-DCMAKE_CUDA_COMPILER={os.path.join(cuda_home, 'bin', 'nvcc')}",
+        ]
+    return args
+
+
+def _expected_sums():
+    """What the consumer computes (same seed and calls), done through torch.ops.fox."""
+    B, T, H, Hkv, D = 2, 37, 4, 2, 32
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, D).requires_grad_()
+    k = torch.randn(B, T, Hkv, D).requires_grad_()
+    v = torch.randn(B, T, Hkv, D).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H) + 2.0).detach().requires_grad_()
+    out = torch.ops.fox.forgetting_attention(q, k, v, g)
+    out.pow(2).sum().backward()
+    return out.sum().item(), [x.grad.sum().item() for x in (q, k, v, g)]
+
+
+def test_cmake_consumer(tmp_path):
+    assert (Path(forgetting_transformer.cmake_prefix_path) / "fox_torch" /
+            "fox_torchConfig.cmake").is_file(), "the package has no CMake config"
+    build = tmp_path / "build"
+    configure_log = _run(_configure_args(CONSUMER_DIR, build))
+    # It found the installed package, not some other copy.
+    found = re.search(r"fox_torch \S+ from (\S+)", configure_log)
+    assert found, configure_log
+    assert Path(found.group(1)).resolve() == (
+        Path(forgetting_transformer.cmake_prefix_path) / "fox_torch").resolve()
+
+    _run([shutil.which("cmake"), "--build", build, "--parallel", "2"])
+    exe = build / "fox_consumer"
+    assert exe.is_file()
+    # Its libfox_torch is the package's (RPATH from the imported target).
+    ldd = shutil.which("ldd")
+    if ldd is not None:
+        libs = _run([ldd, exe])
+        line = next((l for l in libs.splitlines() if "libfox_torch" in l), "")
+        assert "not found" not in line and line, libs
+        lib_path = Path(line.split("=>")[1].split("(")[0].strip()).resolve()
+        assert lib_path.parent == (Path(forgetting_transformer.__file__).parent / "lib").resolve()
+
+    stdout = _run([exe], timeout=120)
+    assert "fox_consumer: OK" in stdout, stdout
+    values = dict(re.findall(r"^(\w+)=(.*)$", stdout, flags=re.M))
+    assert int(values["built_with_cuda"]) == int(forgetting_transformer.built_with_cuda())
+    out_sum = float(values["out_sum"])
+    grad_sums = [float(x) for x in values["grad_sums"].split()]
+    assert all(math.isfinite(x) for x in [out_sum, *grad_sums])
+
+    expected_out, expected_grads = _expected_sums()
+    assert out_sum == pytest.approx(expected_out, rel=1e-6, abs=1e-6)
+    assert grad_sums == pytest.approx(expected_grads, rel=1e-5, abs=1e-4)
