@@ -23,8 +23,8 @@
 
 namespace fox::cpu {
 
-constexpr int64_t kBlockQ = 128;
-constexpr int64_t kBlockK = 256;
+constexpr int64_t kBlockQ = 256;
+constexpr int64_t kBlockK = 128;
 
 // Pointers of one (sequence, head) pair.
 template <typename T>
