@@ -77,6 +77,24 @@ inline void relative_cumsum(const G* g, int64_t g_stride, int64_t anchor, int64_
   }
 }
 
+// R of the keys [j0, j1) of a query tile anchored at `anchor`, for tiles visited from the diagonal
+// downwards: positions >= anchor come from the queries' Rq, the others continue the walk down from
+// the previous tile (`carry` holds R at j1 on entry and at j0 on return). Returns the largest bias
+// of the tile pair, R(anchor) - R(j1 - 1) = -R(j1 - 1), as float for the pruning test.
+template <typename T>
+inline float key_biases(const HeadView<T>& hv, int64_t anchor, int64_t j0, int64_t j1,
+                        const Bias* Rq, Bias& carry, Bias* Rk) {
+  for (int64_t j = j1 - 1; j >= j0; --j) {
+    if (j >= anchor) {
+      Rk[j - j0] = Rq[j - anchor];
+    } else {
+      carry -= static_cast<Bias>(hv.g[(j + 1) * hv.g_stride]);
+      Rk[j - j0] = carry;
+    }
+  }
+  return static_cast<float>(-Rk[j1 - 1 - j0]);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward: one task per (sequence, head, query tile). Key tiles are visited from the diagonal
 // backwards so that R of the keys extends the walk from the anchor, and pruning is a `break`.
@@ -112,18 +130,9 @@ void forward_kernel(const ForwardParams& p) {
       while (j1 > s.first_key) {
         const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
         const int64_t nk = j1 - j0;
-        // R of the keys: positions > anchor come from Rq, the others continue the walk down.
-        for (int64_t j = j1 - 1; j >= j0; --j) {
-          if (j >= anchor) {
-            Rk[j - j0] = Rq[j - anchor];
-          } else {
-            carry -= static_cast<Bias>(hv.g[(j + 1) * hv.g_stride]);
-            Rk[j - j0] = carry;
-          }
-        }
         // Largest bias of this tile pair: first query (R = 0) against the last key. Earlier
         // tiles only have smaller biases, so the rest of the row is pruned too.
-        if (static_cast<float>(-Rk[nk - 1]) < p.prune_threshold) break;
+        if (key_biases(hv, anchor, j0, j1, Rq.data(), carry, Rk.data()) < p.prune_threshold) break;
 
         gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
                       hv.k + j0 * hv.ldk, hv.ldk, Acc(0), S.data(), kBlockK);
@@ -254,15 +263,7 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
       while (j1 > s.first_key) {
         const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
         const int64_t nk = j1 - j0;
-        for (int64_t j = j1 - 1; j >= j0; --j) {
-          if (j >= anchor) {
-            Rk[j - j0] = Rq[j - anchor];
-          } else {
-            carry -= static_cast<Bias>(hv.g[(j + 1) * hv.g_stride]);
-            Rk[j - j0] = carry;
-          }
-        }
-        if (static_cast<float>(-Rk[nk - 1]) < p.prune_threshold) break;
+        if (key_biases(hv, anchor, j0, j1, Rq.data(), carry, Rk.data()) < p.prune_threshold) break;
         gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
                       hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
         gemm_abt<Acc>(nq, nk, D, Acc(1), dout, p.do_row_stride, hv.v + j0 * hv.ldv, hv.ldv, Acc(0),
