@@ -31,31 +31,38 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+__host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 // ---- warp primitives --------------------------------------------------------------------------
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
-__device__ __forceinline__ float warp_sum(float x) {
+// (xor butterflies give every lane the bitwise same result)
+template <typename Acc>
+__device__ __forceinline__ Acc warp_sum(Acc x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 // Inclusive prefix sum over lanes 0..lane.
-__device__ __forceinline__ float warp_inclusive_scan(float x, int lane) {
+template <typename Acc>
+__device__ __forceinline__ Acc warp_inclusive_scan(Acc x, int lane) {
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    const Acc y = __shfl_up_sync(0xffffffffu, x, o);
     if (lane >= o) x += y;
   }
   return x;
 }
 // Inclusive suffix sum over lanes lane..31.
-__device__ __forceinline__ float warp_inclusive_suffix_scan(float x, int lane) {
+template <typename Acc>
+__device__ __forceinline__ Acc warp_inclusive_suffix_scan(Acc x, int lane) {
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_down_sync(0xffffffffu, x, o);
+    const Acc y = __shfl_down_sync(0xffffffffu, x, o);
     if (lane + o < 32) x += y;
   }
   return x;
@@ -100,60 +107,79 @@ __device__ __forceinline__ int64_t row_stat_offset(const ForwardParams& p, const
 // ---- tile-local gate sums ----------------------------------------------------------------------
 // R_x = c_x - c_a for an anchor a, always computed by sums that start at a, so the error of the
 // bias d_ij = R_{p_i} - R_j grows with the distance i - j and never with the absolute position.
+// Acc is the type of R: float in the tensor-core kernels (far below bf16/fp16 noise), double in
+// the generic kernels: within a 32-64 token tile |R| reaches ~600 for fast-forgetting heads, and
+// one fp32 ulp of that (6e-5) in d_ij is above fp32 attention noise.
 
 // Walks 32-key tiles downwards from an anchor a. `carry` holds R at `boundary` (a position <= a);
 // keys below it get R_j = carry - sum_{l=j+1..boundary} g_l through a suffix scan of one warp.
+template <typename Acc>
 struct DownwardGateWalk {
-  float carry = 0.f;      // R at `boundary`
+  Acc carry = 0;          // R at `boundary`
   int64_t boundary = 0;   // every key >= boundary already has its R
 
   // R of key j = j0 + lane (j0 + 32 <= boundary + 32). Keys >= boundary are left to the caller
   // (they lie at or after the anchor); all lanes return the same updated carry.
-  __device__ __forceinline__ float step(const float* g, int64_t g_row, int64_t j0, int lane) {
+  __device__ __forceinline__ Acc step(const float* g, int64_t g_row, int64_t j0, int lane) {
     const int64_t j = j0 + lane;
     const bool below = j < boundary;
-    const float term = below ? g[(j + 1) * g_row] : 0.f;
-    const float suffix = warp_inclusive_suffix_scan(term, lane);
-    const float r = carry - suffix;
-    const float total = __shfl_sync(0xffffffffu, suffix, 0);
+    const Acc term = below ? static_cast<Acc>(g[(j + 1) * g_row]) : Acc(0);
+    const Acc suffix = warp_inclusive_suffix_scan(term, lane);
+    const Acc r = carry - suffix;
+    const Acc total = __shfl_sync(0xffffffffu, suffix, 0);
     if (j0 < boundary) {
       carry -= total;
       boundary = j0;
     }
-    return below ? r : 0.f;
+    return below ? r : Acc(0);
   }
 };
 
 // Walks 32-query tiles upwards from an anchor b (the last key of a key tile): `carry` holds R at
 // `boundary` (>= b); positions after it get R_p = carry + sum_{l=boundary+1..p} g_l.
+template <typename Acc>
 struct UpwardGateWalk {
-  float carry = 0.f;
+  Acc carry = 0;
   int64_t boundary = 0;
 
+  // Adds the gates of the positions (boundary, target] (the keys between a key tile and the first
+  // query when seqlen_q < seqlen_k), 32 at a time, from the anchor upwards.
+  __device__ __forceinline__ void advance_to(const float* g, int64_t g_row, int64_t target,
+                                             int lane) {
+    while (boundary < target) {
+      const int64_t pos = boundary + 1 + lane;
+      const Acc term = pos <= target ? static_cast<Acc>(g[pos * g_row]) : Acc(0);
+      carry += warp_sum(term);
+      boundary = min64(boundary + 32, target);
+    }
+  }
+
   // R of position p = p0 + lane (valid when p > boundary, p < limit); returns 0 elsewhere.
-  __device__ __forceinline__ float step(const float* g, int64_t g_row, int64_t p0, int64_t limit,
-                                        int lane) {
+  // Needs p0 <= boundary + 1 (contiguous walk).
+  __device__ __forceinline__ Acc step(const float* g, int64_t g_row, int64_t p0, int64_t limit,
+                                      int lane) {
     const int64_t pos = p0 + lane;
     const bool above = pos > boundary && pos < limit;
-    const float term = above ? g[pos * g_row] : 0.f;
-    const float prefix = warp_inclusive_scan(term, lane);
-    const float r = carry + prefix;
-    const int64_t last = min(p0 + 31, limit - 1);
+    const Acc term = above ? static_cast<Acc>(g[pos * g_row]) : Acc(0);
+    const Acc prefix = warp_inclusive_scan(term, lane);
+    const Acc r = carry + prefix;
+    const int64_t last = min64(p0 + 31, limit - 1);
     if (last > boundary) {
       carry += __shfl_sync(0xffffffffu, prefix, 31);
       boundary = last;
     }
-    return above ? r : 0.f;
+    return above ? r : Acc(0);
   }
 };
 
 // Query-tile R relative to its first position a: R_{a+r} = sum_{l=a+1..a+r} g_l, for r < n (one
 // warp per 32 positions; `run` carries the sum of the previous 32-position chunks of the tile).
-__device__ __forceinline__ float query_tile_R(const float* g, int64_t g_row, int64_t a, int r,
-                                             int n, int lane, float& run) {
-  const float term = (r > 0 && r < n) ? g[(a + r) * g_row] : 0.f;
-  const float prefix = warp_inclusive_scan(term, lane);
-  const float out = run + prefix;
+template <typename Acc>
+__device__ __forceinline__ Acc query_tile_R(const float* g, int64_t g_row, int64_t a, int r, int n,
+                                           int lane, Acc& run) {
+  const Acc term = (r > 0 && r < n) ? static_cast<Acc>(g[(a + r) * g_row]) : Acc(0);
+  const Acc prefix = warp_inclusive_scan(term, lane);
+  const Acc out = run + prefix;
   run += __shfl_sync(0xffffffffu, prefix, 31);
   return out;
 }

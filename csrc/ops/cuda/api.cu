@@ -1,0 +1,225 @@
+// CUDA backend of the fox ops: the only CUDA file that touches ATen. It checks arguments (through
+// the shared checks of forgetting_attention.cpp), allocates outputs and workspaces, fills the POD
+// params and picks a kernel: split-KV decoding, the tensor-core forward (head dim 64/128,
+// fp16/bf16) or the generic kernels (any head dim, fp16/bf16/fp32).
+#include <limits>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../forgetting_attention.h"
+#include "launch.h"
+#include "static_switch.h"
+
+namespace fox::cuda {
+namespace {
+
+ElementType element_type(const at::Tensor& q) {
+  switch (q.scalar_type()) {
+    case at::kHalf:
+      return ElementType::kHalf;
+    case at::kBFloat16:
+      return ElementType::kBFloat16;
+    case at::kFloat:
+      return ElementType::kFloat;
+    default:
+      TORCH_CHECK(false, "the CUDA backend of forgetting_attention supports float16, bfloat16 and "
+                  "float32; q is ", q.scalar_type(), " (float64 runs on the CPU backend)");
+  }
+}
+
+// Longest sequence of the batch (sizes the grids): Tq, or the largest cu_seqlens difference.
+int64_t max_sequence_length(const detail::IndexTensors& idx, int64_t seqlen) {
+  if (!idx.cu_seqlens.has_value()) return seqlen;
+  const auto& cu = *idx.cu_seqlens;
+  return (cu.slice(0, 1) - cu.slice(0, 0, -1)).max().item<int64_t>();
+}
+
+// Grids are 1-D with one block per (sequence, head, tile).
+void check_grid(int64_t blocks) {
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "forgetting_attention: problem too large for one launch (",
+              blocks, " blocks)");
+}
+
+// The tensor-core path loads rows with 16-byte vectors.
+bool rows_are_16_byte_aligned(const at::Tensor& x) {
+  const int64_t elems = 16 / x.element_size();
+  return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % elems == 0 &&
+         x.stride(1) % elems == 0 && x.stride(2) % elems == 0;
+}
+
+// Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.
+SplitKVParams plan_split_kv(const ForwardParams& p, const detail::IndexTensors& idx,
+                            int key_tile) {
+  SplitKVParams split;
+  split.key_tile = key_tile;
+  const int64_t kKeyTile = key_tile;
+  if (idx.cu_seqlens.has_value() || p.seqlen_q > 16 || p.seqlen_k < 1024) return split;
+  const int64_t base_blocks = p.batch * p.num_heads;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (base_blocks >= 2 * sms) return split;
+  const int64_t key_tiles = (p.seqlen_k + kKeyTile - 1) / kKeyTile;
+#ifndef FOX_SPLIT_BLOCKS_PER_SM
+#define FOX_SPLIT_BLOCKS_PER_SM 4
+#endif
+  const int64_t wanted_splits = (FOX_SPLIT_BLOCKS_PER_SM * sms + base_blocks - 1) / base_blocks;
+  int64_t tiles_per_split = std::max<int64_t>(4, (key_tiles + wanted_splits - 1) / wanted_splits);
+  while ((key_tiles + tiles_per_split - 1) / tiles_per_split > 1024) tiles_per_split *= 2;
+  const int64_t splits = (key_tiles + tiles_per_split - 1) / tiles_per_split;
+  if (splits <= 1) return split;
+  split.num_splits = static_cast<int>(splits);
+  split.tiles_per_split = tiles_per_split;
+  split.total_rows = p.batch * p.seqlen_q;
+  return split;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& log_fgate,
+                                           const std::optional<at::Tensor>& seq_start,
+                                           const std::optional<at::Tensor>& cu_seqlens,
+                                           std::optional<double> sm_scale,
+                                           std::optional<double> adaptive_threshold) {
+  const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
+                                              adaptive_threshold);
+  const ElementType type = element_type(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto qc = detail::with_unit_last_stride(q), kc = detail::with_unit_last_stride(k),
+             vc = detail::with_unit_last_stride(v);
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) {
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  ForwardParams p;
+  detail::fill_forward_params(p, qc, kc, vc, log_fgate, out, lse, idx,
+                              detail::resolve_scale(sm_scale, q.size(3)), adaptive_threshold);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t max_len_q = max_sequence_length(idx, q.size(1));
+  check_grid(((max_len_q + 31) / 32) * p.num_heads * p.batch);
+
+  const bool tensor_cores = type != ElementType::kFloat && fast_head_dim(p.head_dim) &&
+                            rows_are_16_byte_aligned(qc) && rows_are_16_byte_aligned(kc) &&
+                            rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(out);
+  SplitKVParams split = plan_split_kv(p, idx, tensor_cores ? 64 : 32);
+  if (split.num_splits > 1) {
+    auto f32 = q.options().dtype(at::kFloat);
+    auto out_partial = at::empty({split.num_splits, p.num_heads, split.total_rows, p.head_dim}, f32);
+    auto lse_partial = at::empty({split.num_splits, p.num_heads, split.total_rows}, f32);
+    auto carry = at::empty({p.batch, p.num_heads, split.num_splits}, f32);
+    split.out_partial = out_partial.data_ptr<float>();
+    split.lse_partial = lse_partial.data_ptr<float>();
+    split.carry = carry.data_ptr<float>();
+    FOX_ELEMENT_SWITCH(type, T, [&] {
+      if constexpr (!std::is_same_v<T, float>) {
+        if (tensor_cores) {
+          FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
+            run_fast_split_kv_forward<T, kHeadDim>(p, split, stream);
+          });
+          return;
+        }
+      }
+      run_split_kv_forward<T>(p, split, stream);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+  }
+
+  if (tensor_cores) {
+    FOX_ELEMENT_SWITCH(type, T, [&] {
+      if constexpr (!std::is_same_v<T, float>) {
+        FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim,
+                                 [&] { run_fast_forward<T, kHeadDim>(p, max_len_q, stream); });
+      }
+    });
+  } else {
+    FOX_ELEMENT_SWITCH(type, T, [&] { run_generic_forward<T>(p, max_len_q, stream); });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& log_fgate, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold) {
+  const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
+                                              adaptive_threshold);
+  detail::check_backward_args(grad_out, q, out, lse);
+  const ElementType type = element_type(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto qc = detail::with_unit_last_stride(q), kc = detail::with_unit_last_stride(k),
+             vc = detail::with_unit_last_stride(v);
+  // The kernels read out and grad_out in the dtype of q.
+  const auto oc = detail::with_unit_last_stride(out.to(q.scalar_type()));
+  const auto doc = detail::with_unit_last_stride(grad_out.to(q.scalar_type()));
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  auto dg = at::empty(log_fgate.sizes(), log_fgate.options());
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    dg.zero_();
+    return {dq, dk, dv, dg};
+  }
+  BackwardParams p;
+  detail::fill_forward_params(p, qc, kc, vc, log_fgate, oc, lse, idx,
+                              detail::resolve_scale(sm_scale, q.size(3)), adaptive_threshold);
+  detail::fill_backward_params(p, doc, dq, dk, dv, dg);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto delta = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
+  auto dc = at::empty({q.size(0), q.size(2), k.size(1)}, f32);
+  auto dq_rowsum = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
+  BackwardWorkspace ws;
+  ws.delta = delta.data_ptr<float>();
+  ws.dc = dc.data_ptr<float>();
+  ws.dq_rowsum = dq_rowsum.data_ptr<float>();
+  const int64_t max_len_q = max_sequence_length(idx, q.size(1));
+  const int64_t max_len_k = max_sequence_length(idx, k.size(1));
+  check_grid(((max_len_q + 31) / 32) * p.num_heads * p.batch);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool tensor_cores = type != ElementType::kFloat && fast_head_dim(p.head_dim) &&
+                            rows_are_16_byte_aligned(qc) && rows_are_16_byte_aligned(kc) &&
+                            rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(doc) &&
+                            rows_are_16_byte_aligned(dq) && rows_are_16_byte_aligned(dk) &&
+                            rows_are_16_byte_aligned(dv);
+  FOX_ELEMENT_SWITCH(type, T, [&] {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_cores) {
+        FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
+          run_fast_backward<T, kHeadDim>(p, ws, max_len_q, max_len_k, stream);
+        });
+        return;
+      }
+    }
+    run_generic_backward<T>(p, ws, max_len_q, max_len_k, stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv, dg};
+}
+
+at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& log_fgate,
+                                const std::optional<at::Tensor>& seq_start,
+                                const std::optional<at::Tensor>& cu_seqlens,
+                                std::optional<double> sm_scale,
+                                std::optional<double> adaptive_threshold) {
+  return std::get<0>(
+      forward(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold));
+}
+
+}  // namespace
+}  // namespace fox::cuda
+
+TORCH_LIBRARY_IMPL(fox, CUDA, m) {
+  m.impl("forgetting_attention", &fox::cuda::forgetting_attention);
+  m.impl("forgetting_attention_fwd", &fox::cuda::forward);
+  m.impl("forgetting_attention_bwd", &fox::cuda::backward);
+}

@@ -1,0 +1,7 @@
+// Tensor-core backward, head dim 128, __nv_bfloat16.
+#include "../fast_backward.cuh"
+
+namespace fox::cuda {
+template void run_fast_backward<__nv_bfloat16, 128>(const BackwardParams&, const BackwardWorkspace&, int64_t,
+                                        int64_t, cudaStream_t);
+}  // namespace fox::cuda

@@ -1,0 +1,9 @@
+// Generic (any head dim) kernels for __half. One file per dtype keeps the build parallel.
+#include "../generic_kernels.cuh"
+
+namespace fox::cuda {
+template void run_generic_forward<__half>(const ForwardParams&, int64_t, cudaStream_t);
+template void run_split_kv_forward<__half>(const ForwardParams&, const SplitKVParams&, cudaStream_t);
+template void run_generic_backward<__half>(const BackwardParams&, const BackwardWorkspace&, int64_t,
+                                       int64_t, cudaStream_t);
+}  // namespace fox::cuda

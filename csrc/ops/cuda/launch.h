@@ -1,0 +1,56 @@
+// Host-side entry points of the CUDA kernels, called by api.cu (the only file that touches ATen)
+// and defined in instantiations/*.cu, one small file per dtype (and head dim for the fast paths).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../params.h"
+
+namespace fox::cuda {
+
+// Split-KV decoding: a few queries against a long cache. The keys are cut into chunks of whole
+// 32-key tiles; one block per (sequence, head, chunk) writes a partial result and a combine kernel
+// merges them with their log-sum-exps.
+struct SplitKVParams {
+  int num_splits = 1;
+  int key_tile = 32;            // keys per tile of the kernel that runs (32 generic, 64 fast)
+  int64_t tiles_per_split = 0;  // key tiles per chunk
+  int64_t total_rows = 0;       // batch * seqlen_q rows of the tensors
+  float* out_partial = nullptr;  // (num_splits, num_heads, total_rows, head_dim)
+  float* lse_partial = nullptr;  // (num_splits, num_heads, total_rows), log2 domain
+  float* carry = nullptr;        // (num_sequences, num_heads, num_splits): R at each chunk's top
+};
+
+// Workspace of the backward pass (float32, laid out like lse: (batch, num_heads, seqlen)).
+struct BackwardWorkspace {
+  float* delta = nullptr;  // rowsum(dO * O), (batch, num_heads, seqlen_q)
+  float* dc = nullptr;     // -(column sums of dS) per key, (batch, num_heads, seqlen_k)
+  // Row sums of dS per query, (batch, num_heads, seqlen_q). Zero in exact arithmetic, but delta
+  // comes from the rounded (fp16/bf16) output, and keeping these sums in dc = rowsum - colsum
+  // cancels that rounding for every key the query attends to (reverse cumsum of dc).
+  float* dq_rowsum = nullptr;
+};
+
+// Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
+// the queries of one sequence (sizes the grid).
+template <typename T>
+void run_generic_forward(const ForwardParams& p, int64_t max_len_q, cudaStream_t stream);
+template <typename T>
+void run_split_kv_forward(const ForwardParams& p, const SplitKVParams& split, cudaStream_t stream);
+template <typename T>
+void run_generic_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,
+                          int64_t max_len_k, cudaStream_t stream);
+
+// Tensor-core forward (mma.sync m16n8k16) for head_dim 64 and 128, fp16/bf16.
+template <typename T, int kHeadDim>
+void run_fast_forward(const ForwardParams& p, int64_t max_len_q, cudaStream_t stream);
+template <typename T, int kHeadDim>
+void run_fast_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,
+                               cudaStream_t stream);
+
+// Tensor-core backward for head_dim 64 and 128, fp16/bf16.
+template <typename T, int kHeadDim>
+void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,
+                       int64_t max_len_k, cudaStream_t stream);
+
+}  // namespace fox::cuda
