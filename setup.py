@@ -22,7 +22,6 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
-        import pybind11
         import torch
 
         package_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
@@ -32,7 +31,7 @@ class CMakeBuild(build_ext):
         args = [
             "-G", "Ninja",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('CMAKE_BUILD_TYPE', 'Release')}",
-            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DCMAKE_INSTALL_PREFIX={package_dir}",
             "-DCMAKE_INSTALL_LIBDIR=lib",

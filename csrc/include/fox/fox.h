@@ -1,4 +1,5 @@
-// Umbrella header of fox_torch: the Forgetting Attention op and (later) the fox::nn modules.
+// Umbrella header of fox_torch: the Forgetting Attention op and the fox::nn modules.
 #pragma once
 
 #include <fox/ops.h>
+#include <fox/nn.h>

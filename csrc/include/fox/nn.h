@@ -1,0 +1,10 @@
+// The fox::nn modules: layers, blocks, the causal LM, its cache and generation.
+#pragma once
+
+#include <fox/nn/attention.h>
+#include <fox/nn/cache.h>
+#include <fox/nn/generation.h>
+#include <fox/nn/mlp.h>
+#include <fox/nn/model.h>
+#include <fox/nn/norm.h>
+#include <fox/nn/shift_linear.h>

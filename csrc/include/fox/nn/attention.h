@@ -1,0 +1,111 @@
+// ForgettingAttentionLayer: the time-mixing layer of FoX (and, with fgate_type "none" plus RoPE,
+// of the Transformer baselines). Module and parameter names are the authors' (seed 002):
+//   q_proj, k_proj, v_proj, o_proj      Linear, no bias (k_proj/v_proj are ShiftLinear with KV-shift)
+//   fgate_proj                          Linear(hidden, num_heads, bias) for fgate_type "full"
+//   fgate_bias                          (num_heads,) parameter ("bias_only") or buffer ("fixed")
+//   ogate_proj                          Linear(hidden, hidden), output gate
+//   output_norm                         GroupRMSNorm(num_heads, hidden, eps=norm_eps)
+//   q_norm, k_norm                      GroupRMSNorm(heads, heads*head_dim, eps=1e-5) (QK-norm)
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <fox/nn/cache.h>
+#include <fox/nn/norm.h>
+#include <fox/nn/shift_linear.h>
+
+namespace fox::nn {
+
+struct ForgettingAttentionLayerOptions {
+  ForgettingAttentionLayerOptions(int64_t hidden_size, int64_t num_heads)
+      : hidden_size_(hidden_size), num_heads_(num_heads) {}
+  /// Model width; head_dim = hidden_size / num_heads. Required.
+  TORCH_ARG(int64_t, hidden_size);
+  /// Number of query heads (and of forget gates). Required.
+  TORCH_ARG(int64_t, num_heads);
+  /// Number of key/value heads (GQA/MQA); must divide num_heads. Default: num_heads.
+  TORCH_ARG(std::optional<int64_t>, num_kv_heads) = std::nullopt;
+  /// Rotary position embedding on q and k (Transformer baselines). Default false.
+  TORCH_ARG(bool, use_rope) = false;
+  /// RoPE theta. Default 500000.
+  TORCH_ARG(double, rope_base) = 500000.0;
+  /// Output gate o * act(ogate_proj(x)) before o_proj. Default false.
+  TORCH_ARG(bool, use_output_gate) = false;
+  /// Output gate activation: "sigmoid" or "silu". Default "sigmoid".
+  TORCH_ARG(std::string, ogate_act) = "sigmoid";
+  /// "full" (data-dependent, fgate_proj), "bias_only" (learned per-head constant, fgate_bias),
+  /// "fixed" (constant buffer fgate_bias, ALiBi-like) or "none" (no forgetting). Default "full".
+  TORCH_ARG(std::string, fgate_type) = "full";
+  /// Initialize fgate_bias from decay times T_min..T_max (required for "fixed"). Default false.
+  TORCH_ARG(bool, fgate_bias_init) = false;
+  /// T_min: the fastest head's decay time -1/log(sigmoid(b)). Default none.
+  TORCH_ARG(std::optional<double>, decay_time_min) = std::nullopt;
+  /// T_max: the slowest head's decay time (log-spaced between). Default none.
+  TORCH_ARG(std::optional<double>, decay_time_max) = std::nullopt;
+  /// Per-head RMSNorm of the attention output (output_norm). Default false.
+  TORCH_ARG(bool, use_output_norm) = false;
+  /// eps of output_norm. Default 1e-6.
+  TORCH_ARG(double, norm_eps) = 1e-6;
+  /// Per-head RMSNorm of q and k (q_norm, k_norm). Default false.
+  TORCH_ARG(bool, qk_norm) = false;
+  /// eps of q_norm and k_norm. Default 1e-5.
+  TORCH_ARG(double, qk_norm_eps) = 1e-5;
+  /// Authors' legacy QK-norm: one RMSNorm(head_dim) shared by all heads. Default false.
+  TORCH_ARG(bool, qk_norm_share_param_across_head) = false;
+  /// Data-dependent token shift of the keys (k_proj becomes ShiftLinear). Default false.
+  TORCH_ARG(bool, use_k_shift) = false;
+  /// Data-dependent token shift of the values (v_proj becomes ShiftLinear). Default false.
+  TORCH_ARG(bool, use_v_shift) = false;
+  /// log(eps) of adaptive computation pruning (the authors recommend -10); the layer derives the
+  /// op's adaptive_threshold from it. Default none (exact attention).
+  TORCH_ARG(std::optional<double>, log_pruning_tolerance) = std::nullopt;
+  /// Standard deviation of the normal init of the linear weights. Default 0.02.
+  TORCH_ARG(double, initializer_range) = 0.02;
+};
+
+class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAttentionLayerImpl> {
+ public:
+  explicit ForgettingAttentionLayerImpl(const ForgettingAttentionLayerOptions& options);
+  ForgettingAttentionLayerImpl(int64_t hidden_size, int64_t num_heads)
+      : ForgettingAttentionLayerImpl(ForgettingAttentionLayerOptions(hidden_size, num_heads)) {}
+  void reset() override;
+  /// The authors' init: normal(0, initializer_range) linear weights, zero biases, norms at one,
+  /// fgate_bias from the decay times (fgate_bias_init) or zero.
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// x: (B, T, hidden). cache: appends this chunk's keys/values/gates/shift states and attends
+  /// over everything cached (chunked prefill, decoding). seq_start: (B,) left padding in absolute
+  /// positions (0 = first cached token); padded positions are zeroed before the projections so
+  /// they never leak into real tokens through the KV-shift. Returns (B, T, hidden).
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr,
+                        const std::optional<torch::Tensor>& seq_start = std::nullopt);
+
+  /// The log forget gates (B, T, num_heads) in float32 for input x (zeros for "none").
+  torch::Tensor log_forget_gate(const torch::Tensor& x);
+
+  int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }
+  int64_t num_kv_heads() const { return options.num_kv_heads().value_or(options.num_heads()); }
+
+  ForgettingAttentionLayerOptions options;
+  torch::nn::Linear q_proj{nullptr}, o_proj{nullptr};
+  torch::nn::Linear k_proj{nullptr}, v_proj{nullptr};  // without KV-shift
+  ShiftLinear k_shift_proj{nullptr}, v_shift_proj{nullptr};  // with KV-shift (named k_proj/v_proj)
+  torch::nn::Linear fgate_proj{nullptr}, ogate_proj{nullptr};
+  torch::Tensor fgate_bias;
+  GroupRMSNorm output_norm{nullptr}, q_norm{nullptr}, k_norm{nullptr};
+  RMSNorm q_norm_shared{nullptr}, k_norm_shared{nullptr};  // legacy shared QK-norm (named q_norm/k_norm)
+};
+TORCH_MODULE(ForgettingAttentionLayer);
+
+/// Rotary embedding (non-interleaved halves, as flash-attn/fla): x (B, T, H, D), positions (T,)
+/// or (B, T) integer. Computed in float32, returned in x's dtype.
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double base);
+
+}  // namespace fox::nn

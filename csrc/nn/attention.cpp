@@ -1,0 +1,239 @@
+#include <fox/nn/attention.h>
+
+#include <cmath>
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/init.h>
+
+#include <fox/ops.h>
+
+namespace fox::nn {
+
+namespace F = torch::nn::functional;
+
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double base) {
+  TORCH_CHECK(x.dim() == 4, "apply_rotary: x must be (batch, seqlen, heads, head_dim), got ",
+              x.sizes());
+  const int64_t D = x.size(3);
+  TORCH_CHECK(D % 2 == 0, "apply_rotary: head_dim must be even, got ", D);
+  auto fdt = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  auto fopt = torch::TensorOptions().dtype(fdt).device(x.device());
+  auto inv_freq = torch::pow(base, -torch::arange(0, D, 2, fopt) / static_cast<double>(D));
+  auto pos = positions.to(fopt);
+  if (pos.dim() == 1) pos = pos.unsqueeze(0);                   // (1|B, T)
+  auto freqs = pos.unsqueeze(-1) * inv_freq;                     // (1|B, T, D/2)
+  auto cos = freqs.cos().unsqueeze(2), sin = freqs.sin().unsqueeze(2);  // (., T, 1, D/2)
+  auto xf = x.to(fdt);
+  auto x1 = xf.narrow(-1, 0, D / 2), x2 = xf.narrow(-1, D / 2, D / 2);
+  return torch::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1).to(x.scalar_type());
+}
+
+ForgettingAttentionLayerImpl::ForgettingAttentionLayerImpl(
+    const ForgettingAttentionLayerOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void ForgettingAttentionLayerImpl::reset() {
+  const auto& o = options;
+  const int64_t hidden = o.hidden_size(), H = o.num_heads(), Hkv = num_kv_heads();
+  TORCH_CHECK(H > 0 && hidden % H == 0, "ForgettingAttentionLayer: hidden_size (", hidden,
+              ") must be a positive multiple of num_heads (", H, ")");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "ForgettingAttentionLayer: num_heads (", H,
+              ") must be a multiple of num_kv_heads (", Hkv, ")");
+  const int64_t D = hidden / H, kv_dim = Hkv * D;
+  auto lin = [](int64_t in, int64_t out, bool bias = false) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+  };
+  q_proj = register_module("q_proj", lin(hidden, hidden));
+  if (o.use_k_shift()) {
+    k_shift_proj = register_module("k_proj", ShiftLinear(ShiftLinearOptions(hidden, kv_dim, Hkv)));
+  } else {
+    k_proj = register_module("k_proj", lin(hidden, kv_dim));
+  }
+  if (o.use_v_shift()) {
+    v_shift_proj = register_module("v_proj", ShiftLinear(ShiftLinearOptions(hidden, kv_dim, Hkv)));
+  } else {
+    v_proj = register_module("v_proj", lin(hidden, kv_dim));
+  }
+  o_proj = register_module("o_proj", lin(hidden, hidden));
+
+  const auto& ft = o.fgate_type();
+  TORCH_CHECK(ft == "full" || ft == "bias_only" || ft == "fixed" || ft == "none",
+              "ForgettingAttentionLayer: fgate_type must be one of full, bias_only, fixed, none; "
+              "got '", ft, "'");
+  TORCH_CHECK(!(ft == "full" || ft == "none") || !o.fgate_bias_init(),
+              "ForgettingAttentionLayer: fgate_bias_init is only for fgate_type bias_only/fixed");
+  TORCH_CHECK(ft != "fixed" || o.fgate_bias_init(),
+              "ForgettingAttentionLayer: fgate_type 'fixed' requires fgate_bias_init=true");
+  if (o.fgate_bias_init()) {
+    TORCH_CHECK(o.decay_time_min() && o.decay_time_max() && *o.decay_time_min() > 0 &&
+                    *o.decay_time_max() > 0,
+                "ForgettingAttentionLayer: fgate_bias_init needs positive decay_time_min and "
+                "decay_time_max");
+  }
+  if (ft == "full") {
+    fgate_proj = register_module("fgate_proj", lin(hidden, H, /*bias=*/true));
+  } else if (ft == "bias_only") {
+    fgate_bias = register_parameter("fgate_bias", torch::zeros({H}));
+  } else if (ft == "fixed") {
+    fgate_bias = register_buffer("fgate_bias", torch::zeros({H}));
+  }
+  if (o.use_output_gate()) {
+    TORCH_CHECK(o.ogate_act() == "sigmoid" || o.ogate_act() == "silu",
+                "ForgettingAttentionLayer: ogate_act must be sigmoid or silu, got '",
+                o.ogate_act(), "'");
+    ogate_proj = register_module("ogate_proj", lin(hidden, hidden));
+  }
+  if (o.use_output_norm()) {
+    output_norm = register_module(
+        "output_norm", GroupRMSNorm(GroupRMSNormOptions(H, hidden).eps(o.norm_eps())));
+  }
+  if (o.qk_norm()) {
+    if (o.qk_norm_share_param_across_head()) {
+      q_norm_shared = register_module("q_norm", RMSNorm(RMSNormOptions(D).eps(o.qk_norm_eps())));
+      k_norm_shared = register_module("k_norm", RMSNorm(RMSNormOptions(D).eps(o.qk_norm_eps())));
+    } else {
+      q_norm = register_module("q_norm", GroupRMSNorm(GroupRMSNormOptions(H, hidden)
+                                                          .eps(o.qk_norm_eps())));
+      k_norm = register_module("k_norm", GroupRMSNorm(GroupRMSNormOptions(Hkv, kv_dim)
+                                                          .eps(o.qk_norm_eps())));
+    }
+  }
+  reset_parameters();
+}
+
+void ForgettingAttentionLayerImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double std = options.initializer_range();
+  for (auto& m : modules(/*include_self=*/false)) {
+    if (auto* l = m->as<torch::nn::Linear>()) {
+      torch::nn::init::normal_(l->weight, 0.0, std);
+      if (l->bias.defined()) l->bias.zero_();
+    } else if (auto* n = m->as<GroupRMSNorm>()) {
+      n->reset_parameters();
+    } else if (auto* n = m->as<RMSNorm>()) {
+      n->reset_parameters();
+    }
+  }
+  if (fgate_bias.defined()) {
+    if (options.fgate_bias_init()) {
+      const int64_t H = options.num_heads();
+      auto log_t = torch::linspace(std::log(*options.decay_time_min()),
+                                   std::log(*options.decay_time_max()), H, torch::kFloat64);
+      // decay time t = -1 / log(sigmoid(b))  <=>  b = -log(expm1(1 / t))
+      auto bias = -torch::log(torch::expm1(1.0 / torch::exp(log_t)));
+      fgate_bias.copy_(bias.to(fgate_bias.scalar_type()));
+    } else {
+      fgate_bias.zero_();
+    }
+  }
+}
+
+void ForgettingAttentionLayerImpl::pretty_print(std::ostream& stream) const {
+  stream << "fox::nn::ForgettingAttentionLayer(hidden_size=" << options.hidden_size()
+         << ", num_heads=" << options.num_heads() << ", num_kv_heads=" << num_kv_heads()
+         << ", fgate_type=" << options.fgate_type() << ")";
+}
+
+torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), H = options.num_heads();
+  auto fdt = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  const auto& ft = options.fgate_type();
+  if (ft == "full") return F::logsigmoid(fgate_proj(x).to(fdt));
+  if (ft == "none") return torch::zeros({B, T, H}, x.options().dtype(fdt));
+  return F::logsigmoid(fgate_bias.to(fdt)).expand({B, T, H}).contiguous();
+}
+
+torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, LayerCache* cache,
+                                                    const std::optional<torch::Tensor>& seq_start) {
+  const auto& o = options;
+  TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == o.hidden_size(),
+              "ForgettingAttentionLayer: x must be (batch, seqlen, ", o.hidden_size(), "), got ",
+              x_in.sizes());
+  const int64_t B = x_in.size(0), T = x_in.size(1), H = o.num_heads(), Hkv = num_kv_heads();
+  const int64_t D = head_dim();
+  TORCH_CHECK(T > 0, "ForgettingAttentionLayer: empty sequence");
+  const int64_t offset = cache ? cache->length() : 0;
+  auto positions = torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
+
+  std::optional<torch::Tensor> start;
+  auto x = x_in;
+  if (seq_start.has_value() && seq_start->defined()) {
+    TORCH_CHECK(seq_start->dim() == 1 && seq_start->size(0) == B,
+                "ForgettingAttentionLayer: seq_start must be (", B, ",), got ",
+                seq_start->sizes());
+    start = seq_start->to(x.device(), torch::kLong);
+    // Padded positions contribute nothing, not even through the KV-shift of the first real token.
+    auto valid = positions.unsqueeze(0) >= start->unsqueeze(1);  // (B, T)
+    x = x * valid.unsqueeze(-1).to(x.scalar_type());
+  }
+
+  auto q = q_proj(x);
+  torch::Tensor k, v;
+  if (k_shift_proj) {
+    std::optional<torch::Tensor> prev;
+    if (cache && cache->key_shift.defined()) prev = cache->key_shift;
+    auto [kk, st] = k_shift_proj->forward_with_state(x, prev);
+    k = kk;
+    if (cache) cache->key_shift = st;
+  } else {
+    k = k_proj(x);
+  }
+  if (v_shift_proj) {
+    std::optional<torch::Tensor> prev;
+    if (cache && cache->value_shift.defined()) prev = cache->value_shift;
+    auto [vv, st] = v_shift_proj->forward_with_state(x, prev);
+    v = vv;
+    if (cache) cache->value_shift = st;
+  } else {
+    v = v_proj(x);
+  }
+  if (q_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  q = q.view({B, T, H, D});
+  k = k.view({B, T, Hkv, D});
+  v = v.view({B, T, Hkv, D});
+  if (q_norm_shared) {
+    q = q_norm_shared(q);
+    k = k_norm_shared(k);
+  }
+  if (o.use_rope()) {
+    q = apply_rotary(q, positions, o.rope_base());
+    k = apply_rotary(k, positions, o.rope_base());
+  }
+  auto log_fgate = log_forget_gate(x);  // (B, T, H) fp32 (fp64 for fp64 models)
+  if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
+  const int64_t Tk = k.size(1);
+
+  AttentionOptions aopts;
+  aopts.sm_scale(1.0 / std::sqrt(static_cast<double>(D)));
+  if (start) aopts.seq_start(*start);
+  if (o.log_pruning_tolerance()) {
+    torch::NoGradGuard no_grad;
+    double bound;
+    if (o.qk_norm()) {
+      // |scale q.k| <= max|w_q| max|w_k| D scale = max|w_q| max|w_k| sqrt(D)
+      auto wq = q_norm ? q_norm->weight : q_norm_shared->weight;
+      auto wk = k_norm ? k_norm->weight : k_norm_shared->weight;
+      bound = (wq.abs().max() * wk.abs().max()).item<double>() * std::sqrt(double(D));
+    } else {
+      auto qn = torch::linalg_vector_norm(q.to(torch::kFloat32), 2, {-1}).max();
+      auto kn = torch::linalg_vector_norm(k.to(torch::kFloat32), 2, {-1}).max();
+      bound = (qn * kn).item<double>() / std::sqrt(double(D));
+    }
+    aopts.adaptive_threshold(-(2 * bound + std::log(double(Tk))) + *o.log_pruning_tolerance());
+  }
+  auto out = fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
+  out = out.reshape({B, T, H * D});
+  if (output_norm) out = output_norm(out);
+  if (ogate_proj) {
+    auto g = ogate_proj(x);
+    out = out * (o.ogate_act() == "silu" ? F::silu(g) : torch::sigmoid(g));
+  }
+  return o_proj(out);
+}
+
+}  // namespace fox::nn

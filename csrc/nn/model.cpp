@@ -1,0 +1,216 @@
+#include <fox/nn/model.h>
+
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/init.h>
+
+namespace fox::nn {
+
+// ---- config -------------------------------------------------------------------------------------
+
+namespace {
+void set_pro(ForgettingTransformerConfig& c, bool pro) {
+  c.qk_norm(pro).use_output_gate(pro).use_output_norm(pro).use_k_shift(pro).use_v_shift(pro);
+  c.hidden_ratio(pro ? 3.5 : 4.0);
+  c.qk_norm_share_param_across_head(false);
+}
+void set_fox(ForgettingTransformerConfig& c, bool fox) {
+  c.fgate_type(fox ? "full" : "none").use_rope(!fox).fgate_bias_init(false);
+  c.decay_time_min(std::nullopt).decay_time_max(std::nullopt);
+}
+}  // namespace
+
+ForgettingTransformerConfig& ForgettingTransformerConfig::fox_llama() {
+  set_fox(*this, true);
+  set_pro(*this, false);
+  return *this;
+}
+ForgettingTransformerConfig& ForgettingTransformerConfig::fox_pro() {
+  set_fox(*this, true);
+  set_pro(*this, true);
+  return *this;
+}
+ForgettingTransformerConfig& ForgettingTransformerConfig::transformer_llama() {
+  set_fox(*this, false);
+  set_pro(*this, false);
+  return *this;
+}
+ForgettingTransformerConfig& ForgettingTransformerConfig::transformer_pro() {
+  set_fox(*this, false);
+  set_pro(*this, true);
+  return *this;
+}
+
+ForgettingTransformerConfig ForgettingTransformerConfig::preset(
+    const std::string& architecture) const {
+  ForgettingTransformerConfig c = *this;
+  if (architecture == "fox_llama") return c.fox_llama();
+  if (architecture == "fox_pro") return c.fox_pro();
+  if (architecture == "transformer_llama") return c.transformer_llama();
+  if (architecture == "transformer_pro") return c.transformer_pro();
+  TORCH_CHECK(false, "ForgettingTransformerConfig::preset: unknown architecture '", architecture,
+              "' (expected fox_llama, fox_pro, transformer_llama or transformer_pro)");
+}
+
+ForgettingAttentionLayerOptions ForgettingTransformerConfig::attention_options() const {
+  return ForgettingAttentionLayerOptions(hidden_size(), num_heads())
+      .num_kv_heads(num_kv_heads())
+      .use_rope(use_rope())
+      .rope_base(rope_base())
+      .use_output_gate(use_output_gate())
+      .ogate_act(ogate_act())
+      .fgate_type(fgate_type())
+      .fgate_bias_init(fgate_bias_init())
+      .decay_time_min(decay_time_min())
+      .decay_time_max(decay_time_max())
+      .use_output_norm(use_output_norm())
+      .norm_eps(norm_eps())
+      .qk_norm(qk_norm())
+      .qk_norm_share_param_across_head(qk_norm_share_param_across_head())
+      .use_k_shift(use_k_shift())
+      .use_v_shift(use_v_shift())
+      .log_pruning_tolerance(log_pruning_tolerance())
+      .initializer_range(initializer_range());
+}
+
+GatedMLPOptions ForgettingTransformerConfig::mlp_options() const {
+  return GatedMLPOptions(hidden_size())
+      .hidden_ratio(hidden_ratio())
+      .intermediate_size(intermediate_size())
+      .hidden_act(hidden_act())
+      .initializer_range(initializer_range());
+}
+
+// ---- block --------------------------------------------------------------------------------------
+
+ForgettingTransformerBlockImpl::ForgettingTransformerBlockImpl(
+    const ForgettingTransformerConfig& config_)
+    : config(config_) {
+  reset();
+}
+
+void ForgettingTransformerBlockImpl::reset() {
+  auto norm_opts = RMSNormOptions(config.hidden_size()).eps(config.norm_eps());
+  attn_norm = register_module("attn_norm", RMSNorm(norm_opts));
+  attn = register_module("attn", ForgettingAttentionLayer(config.attention_options()));
+  mlp_norm = register_module("mlp_norm", RMSNorm(norm_opts));
+  mlp = register_module("mlp", GatedMLP(config.mlp_options()));
+}
+
+torch::Tensor ForgettingTransformerBlockImpl::forward(
+    const torch::Tensor& x, LayerCache* cache, const std::optional<torch::Tensor>& seq_start) {
+  auto h = x + attn->forward(attn_norm(x), cache, seq_start);
+  return h + mlp(mlp_norm(h));
+}
+
+// ---- decoder ------------------------------------------------------------------------------------
+
+ForgettingTransformerModelImpl::ForgettingTransformerModelImpl(
+    const ForgettingTransformerConfig& config_)
+    : config(config_) {
+  reset();
+}
+
+void ForgettingTransformerModelImpl::reset() {
+  auto eopts = torch::nn::EmbeddingOptions(config.vocab_size(), config.hidden_size());
+  if (config.pad_token_id()) eopts.padding_idx(*config.pad_token_id());
+  embeddings = register_module("embeddings", torch::nn::Embedding(eopts));
+  {
+    torch::NoGradGuard no_grad;
+    torch::nn::init::normal_(embeddings->weight, 0.0, config.initializer_range());
+    if (config.pad_token_id()) embeddings->weight[*config.pad_token_id()].zero_();
+  }
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.num_hidden_layers(); ++i) {
+    layers->push_back(ForgettingTransformerBlock(config));
+  }
+  norm = register_module("norm", RMSNorm(RMSNormOptions(config.hidden_size())
+                                             .eps(config.norm_eps())));
+}
+
+torch::Tensor ForgettingTransformerModelImpl::forward(const torch::Tensor& input_ids,
+                                                      KVCache* cache,
+                                                      const std::optional<torch::Tensor>& seq_start) {
+  TORCH_CHECK(input_ids.dim() == 2, "ForgettingTransformerModel: input_ids must be (batch, seqlen), got ",
+              input_ids.sizes());
+  return forward_embeds(embeddings(input_ids), cache, seq_start);
+}
+
+torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
+    const torch::Tensor& inputs_embeds, KVCache* cache,
+    const std::optional<torch::Tensor>& seq_start) {
+  std::optional<torch::Tensor> start;
+  if (seq_start.has_value() && seq_start->defined()) start = seq_start;
+  if (cache) {
+    if (cache->layers.size() != layers->size()) {
+      TORCH_CHECK(cache->length() == 0, "KVCache has ", cache->layers.size(),
+                  " layers, the model ", layers->size());
+      cache->layers.resize(layers->size());
+    }
+    if (start && !cache->seq_start) cache->seq_start = *start;
+    if (!start && cache->seq_start) start = cache->seq_start;
+  }
+  auto h = inputs_embeds;
+  for (size_t i = 0; i < layers->size(); ++i) {
+    h = layers[i]->as<ForgettingTransformerBlockImpl>()->forward(
+        h, cache ? &cache->layers[i] : nullptr, start);
+  }
+  return norm(h);
+}
+
+// ---- causal LM ----------------------------------------------------------------------------------
+
+ForgettingTransformerForCausalLMImpl::ForgettingTransformerForCausalLMImpl(
+    const ForgettingTransformerConfig& config_)
+    : config(config_) {
+  reset();
+}
+
+void ForgettingTransformerForCausalLMImpl::reset() {
+  model = register_module("model", ForgettingTransformerModel(config));
+  if (!config.tie_word_embeddings()) {
+    lm_head = register_module(
+        "lm_head", torch::nn::Linear(torch::nn::LinearOptions(config.hidden_size(),
+                                                              config.vocab_size())
+                                         .bias(false)));
+  }
+  reset_parameters();
+}
+
+void ForgettingTransformerForCausalLMImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double std = config.initializer_range();
+  torch::nn::init::normal_(model->embeddings->weight, 0.0, std);
+  if (config.pad_token_id()) model->embeddings->weight[*config.pad_token_id()].zero_();
+  for (auto& m : model->layers->children()) {
+    auto* block = m->as<ForgettingTransformerBlockImpl>();
+    block->attn_norm->reset_parameters();
+    block->mlp_norm->reset_parameters();
+    block->attn->reset_parameters();
+    block->mlp->reset_parameters();
+  }
+  model->norm->reset_parameters();
+  if (lm_head) torch::nn::init::normal_(lm_head->weight, 0.0, std);
+}
+
+torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {
+  if (lm_head) return lm_head(hidden_states);
+  return torch::nn::functional::linear(hidden_states, model->embeddings->weight);
+}
+
+torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
+    const torch::Tensor& input_ids, const std::optional<torch::Tensor>& labels, KVCache* cache,
+    const std::optional<torch::Tensor>& seq_start) {
+  auto logits_ = logits(model->forward(input_ids, cache, seq_start));
+  if (!labels.has_value() || !labels->defined()) return logits_;
+  TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",
+              labels->sizes(), " must have the shape of input_ids ", input_ids.sizes());
+  auto lf = logits_.scalar_type() == torch::kFloat64 ? logits_ : logits_.to(torch::kFloat32);
+  auto loss = torch::nn::functional::cross_entropy(
+      lf.reshape({-1, lf.size(-1)}),
+      labels->reshape({-1}).to(logits_.device(), torch::kLong),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(-100));
+  return loss.view(labels->sizes());
+}
+
+}  // namespace fox::nn

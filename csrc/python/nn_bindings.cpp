@@ -1,0 +1,232 @@
+// pybind11 bindings of the fox::nn modules (forgetting_transformer._C.nn). Each module is bound
+// with torch::python::bind_module, so Python gets a real torch.nn.Module (parameters(),
+// state_dict(), .to(), train()/eval()) whose parameters are the C++ module's tensors. Options and
+// the config are bound as classes constructible from keyword arguments.
+#include <torch/extension.h>
+#include <torch/python.h>
+
+#include <fox/nn.h>
+
+namespace py = pybind11;
+using namespace fox::nn;
+
+namespace {
+
+template <typename C, typename Getter>
+using field_t = std::decay_t<decltype(std::declval<Getter>()(std::declval<const C&>()))>;
+
+// Binds option `name` of struct C as a read/write property.
+#define FOX_FIELD(cls, C, name)                                                              \
+  cls.def_property(                                                                          \
+      #name, [](const C& c) { return c.name(); },                                            \
+      [](C& c, std::decay_t<decltype(std::declval<const C&>().name())> v) { c.name(v); })
+
+// Sets the keyword arguments on a fresh options object (unknown names raise AttributeError).
+template <typename C>
+C apply_kwargs(C c, const py::kwargs& kw) {
+  py::object obj = py::cast(c);
+  for (auto& item : kw) py::setattr(obj, item.first, item.second);
+  return obj.cast<C>();
+}
+
+}  // namespace
+
+void init_nn_bindings(py::module_& parent) {
+  auto m = parent.def_submodule("nn", "fox::nn modules (C++)");
+
+  // ---- options ---------------------------------------------------------------------------------
+  py::class_<ForgettingTransformerConfig> cfg(m, "ForgettingTransformerConfig",
+                                              "The authors' ForgettingTransformerConfig fields");
+  cfg.def(py::init([](const py::kwargs& kw) {
+    return apply_kwargs(ForgettingTransformerConfig(), kw);
+  }));
+  FOX_FIELD(cfg, ForgettingTransformerConfig, vocab_size);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, hidden_size);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, hidden_ratio);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, intermediate_size);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, num_hidden_layers);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, num_heads);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, num_kv_heads);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, hidden_act);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, initializer_range);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, norm_eps);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, pad_token_id);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, bos_token_id);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, eos_token_id);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, tie_word_embeddings);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, rope_base);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, use_rope);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, use_output_gate);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, ogate_act);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, fgate_type);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, fgate_bias_init);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, decay_time_min);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, decay_time_max);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, use_output_norm);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, qk_norm);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, qk_norm_share_param_across_head);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, log_pruning_tolerance);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, use_k_shift);
+  FOX_FIELD(cfg, ForgettingTransformerConfig, use_v_shift);
+  cfg.def("preset", &ForgettingTransformerConfig::preset, py::arg("architecture"),
+          "A copy with the architecture flags of fox_llama, fox_pro, transformer_llama or "
+          "transformer_pro");
+
+  py::class_<ForgettingAttentionLayerOptions> aopt(m, "ForgettingAttentionLayerOptions");
+  aopt.def(py::init([](int64_t hidden_size, int64_t num_heads, const py::kwargs& kw) {
+             return apply_kwargs(ForgettingAttentionLayerOptions(hidden_size, num_heads), kw);
+           }),
+           py::arg("hidden_size"), py::arg("num_heads"));
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, hidden_size);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, num_heads);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, num_kv_heads);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, use_rope);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, rope_base);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, use_output_gate);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, ogate_act);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, fgate_type);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, fgate_bias_init);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, decay_time_min);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, decay_time_max);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, use_output_norm);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, norm_eps);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, qk_norm);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, qk_norm_eps);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, qk_norm_share_param_across_head);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, use_k_shift);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, use_v_shift);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, log_pruning_tolerance);
+  FOX_FIELD(aopt, ForgettingAttentionLayerOptions, initializer_range);
+
+  py::class_<GenerationOptions> gopt(m, "GenerationOptions");
+  gopt.def(py::init([](const py::kwargs& kw) { return apply_kwargs(GenerationOptions(), kw); }));
+  FOX_FIELD(gopt, GenerationOptions, max_new_tokens);
+  FOX_FIELD(gopt, GenerationOptions, do_sample);
+  FOX_FIELD(gopt, GenerationOptions, temperature);
+  FOX_FIELD(gopt, GenerationOptions, top_k);
+  FOX_FIELD(gopt, GenerationOptions, top_p);
+  FOX_FIELD(gopt, GenerationOptions, stop_tokens);
+  FOX_FIELD(gopt, GenerationOptions, pad_token_id);
+  FOX_FIELD(gopt, GenerationOptions, seq_start);
+  FOX_FIELD(gopt, GenerationOptions, prefill_chunk_size);
+
+  // ---- cache -----------------------------------------------------------------------------------
+  py::class_<LayerCache>(m, "LayerCache")
+      .def_readwrite("k", &LayerCache::k)
+      .def_readwrite("v", &LayerCache::v)
+      .def_readwrite("log_fgate", &LayerCache::log_fgate)
+      .def_readwrite("key_shift", &LayerCache::key_shift)
+      .def_readwrite("value_shift", &LayerCache::value_shift)
+      .def("__len__", &LayerCache::length);
+  py::class_<KVCache, std::shared_ptr<KVCache>>(m, "KVCache")
+      .def(py::init<int64_t>(), py::arg("num_layers") = 0)
+      .def_readwrite("seq_start", &KVCache::seq_start)
+      .def(
+          "layer", [](KVCache& c, int64_t i) -> LayerCache& { return c.layers.at(i); },
+          py::arg("index"), py::return_value_policy::reference_internal)
+      .def_property_readonly("num_layers", [](KVCache& c) { return c.layers.size(); })
+      .def("__len__", &KVCache::length)
+      .def("reset", &KVCache::reset)
+      .def("select_batch", &KVCache::select_batch, py::arg("index"));
+
+  // ---- modules ---------------------------------------------------------------------------------
+  torch::python::bind_module<RMSNormImpl>(m, "RMSNorm")
+      .def(py::init([](int64_t hidden_size, double eps, bool elementwise_affine) {
+             return std::make_shared<RMSNormImpl>(
+                 RMSNormOptions(hidden_size).eps(eps).elementwise_affine(elementwise_affine));
+           }),
+           py::arg("hidden_size"), py::arg("eps") = 1e-6, py::arg("elementwise_affine") = true);
+
+  torch::python::bind_module<GroupRMSNormImpl>(m, "GroupRMSNorm")
+      .def(py::init([](int64_t num_groups, int64_t hidden_size, double eps, bool affine) {
+             return std::make_shared<GroupRMSNormImpl>(
+                 GroupRMSNormOptions(num_groups, hidden_size).eps(eps).elementwise_affine(affine));
+           }),
+           py::arg("num_groups"), py::arg("hidden_size"), py::arg("eps") = 1e-5,
+           py::arg("elementwise_affine") = true);
+
+  torch::python::bind_module<ShiftLinearImpl, true>(m, "ShiftLinear")
+      .def(py::init([](int64_t in, int64_t out, int64_t heads, bool bias, bool shift_bias) {
+             return std::make_shared<ShiftLinearImpl>(
+                 ShiftLinearOptions(in, out, heads).bias(bias).shift_bias(shift_bias));
+           }),
+           py::arg("input_dim"), py::arg("output_dim"), py::arg("num_heads"),
+           py::arg("bias") = false, py::arg("shift_bias") = false)
+      .def("forward", &ShiftLinearImpl::forward, py::arg("x"), py::arg("prev") = py::none())
+      .def("forward_with_state", &ShiftLinearImpl::forward_with_state, py::arg("x"),
+           py::arg("prev") = py::none());
+
+  torch::python::bind_module<GatedMLPImpl>(m, "GatedMLP")
+      .def(py::init([](int64_t hidden_size, double hidden_ratio,
+                       std::optional<int64_t> intermediate_size, const std::string& act) {
+             return std::make_shared<GatedMLPImpl>(GatedMLPOptions(hidden_size)
+                                                       .hidden_ratio(hidden_ratio)
+                                                       .intermediate_size(intermediate_size)
+                                                       .hidden_act(act));
+           }),
+           py::arg("hidden_size"), py::arg("hidden_ratio") = 4.0,
+           py::arg("intermediate_size") = py::none(), py::arg("hidden_act") = "swish")
+      .def_property_readonly("intermediate_size", &GatedMLPImpl::intermediate_size);
+
+  torch::python::bind_module<ForgettingAttentionLayerImpl, true>(m, "ForgettingAttentionLayer")
+      .def(py::init<const ForgettingAttentionLayerOptions&>(), py::arg("options"))
+      .def(
+          "forward",
+          [](ForgettingAttentionLayerImpl& self, const torch::Tensor& x, LayerCache* cache,
+             std::optional<torch::Tensor> seq_start) { return self.forward(x, cache, seq_start); },
+          py::arg("x"), py::arg("cache") = py::none(), py::arg("seq_start") = py::none())
+      .def("log_forget_gate", &ForgettingAttentionLayerImpl::log_forget_gate, py::arg("x"))
+      .def("reset_parameters", &ForgettingAttentionLayerImpl::reset_parameters)
+      .def_property_readonly("options", [](ForgettingAttentionLayerImpl& s) { return s.options; });
+
+  torch::python::bind_module<ForgettingTransformerBlockImpl, true>(m, "ForgettingTransformerBlock")
+      .def(py::init<const ForgettingTransformerConfig&>(), py::arg("config"))
+      .def(
+          "forward",
+          [](ForgettingTransformerBlockImpl& self, const torch::Tensor& x, LayerCache* cache,
+             std::optional<torch::Tensor> seq_start) { return self.forward(x, cache, seq_start); },
+          py::arg("x"), py::arg("cache") = py::none(), py::arg("seq_start") = py::none());
+
+  torch::python::bind_module<ForgettingTransformerModelImpl, true>(m, "ForgettingTransformerModel")
+      .def(py::init<const ForgettingTransformerConfig&>(), py::arg("config"))
+      .def(
+          "forward",
+          [](ForgettingTransformerModelImpl& self, const torch::Tensor& ids, KVCache* cache,
+             std::optional<torch::Tensor> seq_start) { return self.forward(ids, cache, seq_start); },
+          py::arg("input_ids"), py::arg("cache") = py::none(), py::arg("seq_start") = py::none())
+      .def_property_readonly("config", [](ForgettingTransformerModelImpl& s) { return s.config; });
+
+  torch::python::bind_module<ForgettingTransformerForCausalLMImpl, true>(
+      m, "ForgettingTransformerForCausalLM")
+      .def(py::init<const ForgettingTransformerConfig&>(), py::arg("config"))
+      .def(
+          "forward",
+          [](ForgettingTransformerForCausalLMImpl& self, const torch::Tensor& ids,
+             std::optional<torch::Tensor> labels, KVCache* cache,
+             std::optional<torch::Tensor> seq_start) {
+            return self.forward(ids, labels, cache, seq_start);
+          },
+          py::arg("input_ids"), py::arg("labels") = py::none(), py::arg("cache") = py::none(),
+          py::arg("seq_start") = py::none())
+      .def("logits", &ForgettingTransformerForCausalLMImpl::logits, py::arg("hidden_states"))
+      .def("reset_parameters", &ForgettingTransformerForCausalLMImpl::reset_parameters)
+      .def("new_cache",
+           [](ForgettingTransformerForCausalLMImpl& s) {
+             return std::make_shared<KVCache>(s.new_cache());
+           })
+      .def(
+          "generate",
+          [](std::shared_ptr<ForgettingTransformerForCausalLMImpl> self,
+             const torch::Tensor& input_ids, const GenerationOptions& options) {
+            py::gil_scoped_release no_gil;
+            ForgettingTransformerForCausalLM holder(self);
+            return generate(holder, input_ids, options);
+          },
+          py::arg("input_ids"), py::arg("options"))
+      .def_property_readonly("config",
+                             [](ForgettingTransformerForCausalLMImpl& s) { return s.config; });
+
+  m.def("mlp_intermediate_size", &mlp_intermediate_size, py::arg("hidden_size"),
+        py::arg("hidden_ratio"));
+  m.def("sample_next_token", &sample_next_token, py::arg("logits"), py::arg("options"));
+}

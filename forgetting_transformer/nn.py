@@ -1,0 +1,181 @@
+"""The fox::nn C++ modules as torch.nn.Modules.
+
+    from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+    config = ForgettingTransformerConfig(vocab_size=32768, hidden_size=1536, num_hidden_layers=24,
+                                         num_heads=24).preset("fox_pro")
+    model = ForgettingTransformerForCausalLM(config)
+    logits = model(input_ids)                     # (B, T, vocab)
+    loss = model(input_ids, labels=labels)        # per-token loss (B, T), as the authors
+    cache = model.new_cache(); model(prompt, cache=cache); model(next_ids, cache=cache)
+    out = model.generate(prompt, max_new_tokens=20, do_sample=True, top_p=0.9)
+
+The parameters are the C++ module's tensors (shared, not copied): optimizers, state_dict(),
+load_state_dict(), .to() and train()/eval() act on the C++ model directly. Module and parameter
+names are the authors' (e.g. ``model.layers.0.attn.q_proj.weight``).
+"""
+from collections import OrderedDict
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from . import _C
+
+_nn = _C.nn
+
+ForgettingTransformerConfig = _nn.ForgettingTransformerConfig
+ForgettingAttentionLayerOptions = _nn.ForgettingAttentionLayerOptions
+GenerationOptions = _nn.GenerationOptions
+KVCache = _nn.KVCache
+LayerCache = _nn.LayerCache
+mlp_intermediate_size = _nn.mlp_intermediate_size
+sample_next_token = _nn.sample_next_token
+
+# Methods that torch.nn.cpp.ModuleWrapper copies from the C++ object onto the instance and that we
+# replace by nn.Module-compatible versions (returning self, yielding (name, tensor) pairs, ...).
+_SHADOWED = ("to", "cuda", "cpu", "float", "double", "half", "train", "eval", "parameters",
+             "named_parameters", "buffers", "named_buffers")
+
+
+class _CppModuleMixin:
+    """Makes a torch::python::bind_module wrapper behave like a Python nn.Module."""
+
+    def _fix_wrapper(self):
+        for name in _SHADOWED:
+            self.__dict__.pop(name, None)
+
+    def train(self, mode: bool = True):
+        self.cpp_module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        pre = prefix + "." if prefix else ""
+        for name, p in self.cpp_module.named_parameters(recurse).items():
+            yield pre + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        pre = prefix + "." if prefix else ""
+        for name, b in self.cpp_module.named_buffers(recurse).items():
+            yield pre + name, b
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = OrderedDict() if destination is None else destination
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            out[prefix + name] = t if keep_vars else t.detach()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        own = self.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                if k in own:
+                    if own[k].shape != v.shape:
+                        raise RuntimeError(f"size mismatch for {k}: checkpoint {tuple(v.shape)}, "
+                                           f"model {tuple(own[k].shape)}")
+                    own[k].copy_(v)
+        return _IncompatibleKeys(missing, unexpected)
+
+
+class RMSNorm(_CppModuleMixin, _nn.RMSNorm):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, elementwise_affine: bool = True):
+        super().__init__(hidden_size, eps, elementwise_affine)
+        self._fix_wrapper()
+
+
+class GroupRMSNorm(_CppModuleMixin, _nn.GroupRMSNorm):
+    def __init__(self, num_groups: int, hidden_size: int, eps: float = 1e-5,
+                 elementwise_affine: bool = True):
+        super().__init__(num_groups, hidden_size, eps, elementwise_affine)
+        self._fix_wrapper()
+
+
+class ShiftLinear(_CppModuleMixin, _nn.ShiftLinear):
+    """KV-shift projection: parameters ``linear.weight`` and ``shift_proj.weight``."""
+
+    def __init__(self, input_dim: int, output_dim: int, num_heads: int, bias: bool = False,
+                 shift_bias: bool = False):
+        super().__init__(input_dim, output_dim, num_heads, bias, shift_bias)
+        self._fix_wrapper()
+
+
+class GatedMLP(_CppModuleMixin, _nn.GatedMLP):
+    def __init__(self, hidden_size: int, hidden_ratio: float = 4.0,
+                 intermediate_size: Optional[int] = None, hidden_act: str = "swish"):
+        super().__init__(hidden_size, hidden_ratio, intermediate_size, hidden_act)
+        self._fix_wrapper()
+
+
+class ForgettingAttentionLayer(_CppModuleMixin, _nn.ForgettingAttentionLayer):
+    """ForgettingAttentionLayer(hidden_size, num_heads, **options) with the authors' keyword names
+    (use_output_gate, qk_norm, use_k_shift, fgate_type, log_pruning_tolerance, ...)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, **options):
+        super().__init__(ForgettingAttentionLayerOptions(hidden_size, num_heads, **options))
+        self._fix_wrapper()
+
+
+def _config(config, kwargs):
+    if config is None:
+        return ForgettingTransformerConfig(**kwargs)
+    if kwargs:
+        raise TypeError("pass either a config or keyword arguments, not both")
+    return config
+
+
+class ForgettingTransformerBlock(_CppModuleMixin, _nn.ForgettingTransformerBlock):
+    def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
+        super().__init__(_config(config, kwargs))
+        self._fix_wrapper()
+
+
+class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel):
+    def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
+        super().__init__(_config(config, kwargs))
+        self._fix_wrapper()
+
+
+class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransformerForCausalLM):
+    """The causal LM. forward(input_ids, labels=None, cache=None, seq_start=None) returns logits
+    (B, T, vocab), or the per-token loss (B, T) when labels are given (no shift, ignore -100)."""
+
+    def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
+        super().__init__(_config(config, kwargs))
+        self._fix_wrapper()
+        self._cpp_generate = self.__dict__.pop("generate")
+
+    def generate(self, input_ids: torch.Tensor, options: Optional[GenerationOptions] = None,
+                 **kwargs) -> torch.Tensor:
+        """Greedy or sampled continuation (B, T + n); kwargs are GenerationOptions fields
+        (max_new_tokens, do_sample, temperature, top_k, top_p, stop_tokens, pad_token_id,
+        seq_start, prefill_chunk_size)."""
+        if options is None:
+            options = GenerationOptions(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either options or keyword arguments, not both")
+        return self._cpp_generate(input_ids, options)
+
+
+__all__ = [
+    "ForgettingTransformerConfig", "ForgettingAttentionLayerOptions", "GenerationOptions",
+    "KVCache", "LayerCache", "RMSNorm", "GroupRMSNorm", "ShiftLinear", "GatedMLP",
+    "ForgettingAttentionLayer", "ForgettingTransformerBlock", "ForgettingTransformerModel",
+    "ForgettingTransformerForCausalLM", "mlp_intermediate_size", "sample_next_token",
+]

@@ -1,0 +1,130 @@
+// fox::nn model: presets, authors' parameter names, losses, gradients, save/load.
+#include <cstdio>
+#include <set>
+
+#include "helpers.h"  // LibTorch first: Catch2 must own CHECK
+
+#include <catch2/catch.hpp>
+
+using namespace fox::nn;
+using fox_test::close;
+
+TEST_CASE("Presets set the paper's architectures", "[nn][model]") {
+  ForgettingTransformerConfig c;
+  auto fp = c.preset("fox_pro");
+  CHECK((fp.fgate_type() == "full" && !fp.use_rope() && fp.qk_norm() && fp.use_output_gate() &&
+         fp.use_output_norm() && fp.use_k_shift() && fp.use_v_shift() && fp.hidden_ratio() == 3.5));
+  auto fl = c.preset("fox_llama");
+  CHECK((fl.fgate_type() == "full" && !fl.use_rope() && !fl.qk_norm() && !fl.use_k_shift() &&
+         fl.hidden_ratio() == 4.0));
+  auto tl = c.preset("transformer_llama");
+  CHECK((tl.fgate_type() == "none" && tl.use_rope() && !tl.use_output_gate()));
+  auto tp = c.preset("transformer_pro");
+  CHECK((tp.fgate_type() == "none" && tp.use_rope() && tp.qk_norm() && tp.use_v_shift()));
+  CHECK(tp.rope_base() == 500000.0);
+  CHECK_THROWS_WITH(c.preset("mamba"), Catch::Contains("unknown architecture"));
+}
+
+TEST_CASE("Parameter names match the authors' FoX (Pro) 760M module tree", "[nn][model]") {
+  // The seed's printed tree, shrunk to 1 layer and a small vocabulary (same widths).
+  ForgettingTransformerConfig c;
+  c.vocab_size(100).hidden_size(1536).num_hidden_layers(1).num_heads(24);
+  c.fox_pro();
+  c.hidden_ratio(4.0);  // the seed's printed tree has gate_proj 8192 = 2 * 4096 (ratio 4)
+  ForgettingTransformerForCausalLM lm(c);
+  auto p = lm->named_parameters();
+  std::set<std::string> names;
+  for (auto& kv : p) names.insert(kv.key());
+  std::set<std::string> expect = {
+      "model.embeddings.weight",
+      "model.layers.0.attn_norm.weight",
+      "model.layers.0.attn.q_proj.weight",
+      "model.layers.0.attn.k_proj.linear.weight",
+      "model.layers.0.attn.k_proj.shift_proj.weight",
+      "model.layers.0.attn.v_proj.linear.weight",
+      "model.layers.0.attn.v_proj.shift_proj.weight",
+      "model.layers.0.attn.o_proj.weight",
+      "model.layers.0.attn.fgate_proj.weight",
+      "model.layers.0.attn.fgate_proj.bias",
+      "model.layers.0.attn.ogate_proj.weight",
+      "model.layers.0.attn.output_norm.weight",
+      "model.layers.0.attn.q_norm.weight",
+      "model.layers.0.attn.k_norm.weight",
+      "model.layers.0.mlp_norm.weight",
+      "model.layers.0.mlp.gate_proj.weight",
+      "model.layers.0.mlp.down_proj.weight",
+      "model.norm.weight",
+      "lm_head.weight"};
+  CHECK(names == expect);
+  CHECK(p["model.layers.0.attn.q_proj.weight"].sizes() == torch::IntArrayRef({1536, 1536}));
+  CHECK(p["model.layers.0.attn.k_proj.linear.weight"].sizes() == torch::IntArrayRef({1536, 1536}));
+  CHECK(p["model.layers.0.attn.fgate_proj.weight"].sizes() == torch::IntArrayRef({24, 1536}));
+  CHECK(p["model.layers.0.mlp.gate_proj.weight"].sizes() == torch::IntArrayRef({8192, 1536}));
+  CHECK(p["model.layers.0.mlp.down_proj.weight"].sizes() == torch::IntArrayRef({1536, 4096}));
+  CHECK(p["lm_head.weight"].sizes() == torch::IntArrayRef({100, 1536}));
+  // init: normal(0, 0.02) weights, ones for norms, zero gate bias
+  CHECK(std::abs(p["model.embeddings.weight"].std().item<double>() - 0.02) < 1e-3);
+  CHECK(p["model.norm.weight"].eq(1).all().item<bool>());
+  CHECK(p["model.layers.0.attn.fgate_proj.bias"].eq(0).all().item<bool>());
+
+  // Transformer (LLaMA): plain projections, no gate
+  auto t = ForgettingTransformerForCausalLM(fox_test::tiny_config("transformer_llama"));
+  auto tn = t->named_parameters();
+  CHECK(tn.find("model.layers.1.attn.k_proj.weight") != nullptr);
+  CHECK(tn.find("model.layers.1.attn.fgate_proj.weight") == nullptr);
+}
+
+TEST_CASE("Causal LM: logits, per-token loss and gradients to every parameter", "[nn][model]") {
+  for (const char* arch : {"fox_llama", "fox_pro", "transformer_llama", "transformer_pro"}) {
+    SECTION(arch) {
+      torch::manual_seed(5);
+      ForgettingTransformerForCausalLM lm(fox_test::tiny_config(arch));
+      lm->to(torch::kFloat64);
+      auto ids = torch::randint(0, 61, {2, 11});
+      auto labels = torch::randint(0, 61, {2, 11});
+      labels[0][3] = -100;
+      auto logits = lm(ids);
+      CHECK(logits.sizes() == torch::IntArrayRef({2, 11, 61}));
+      auto loss = lm(ids, labels);
+      REQUIRE(loss.sizes() == torch::IntArrayRef({2, 11}));
+      auto ref = -logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1);
+      ref[0][3] = 0;
+      CHECK(close(loss, ref));
+      loss.mean().backward();
+      for (auto& p : lm->named_parameters()) {
+        INFO(p.key());
+        REQUIRE(p.value().grad().defined());
+        CHECK(p.value().grad().abs().sum().item<double>() > 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("Save/load round trip of a small model", "[nn][model]") {
+  torch::manual_seed(6);
+  auto cfg = fox_test::tiny_config("fox_pro");
+  ForgettingTransformerForCausalLM a(cfg);
+  fox_test::randomize(*a);
+  auto path = std::string("/tmp/fox_nn_test_") + std::to_string(::getpid()) + ".pt";
+  torch::save(a, path);
+  torch::manual_seed(7);
+  ForgettingTransformerForCausalLM b(cfg);
+  auto ids = torch::randint(0, 61, {2, 6});
+  CHECK(!close(a(ids), b(ids), 1e-6));
+  torch::load(b, path);
+  std::remove(path.c_str());
+  CHECK(close(a(ids), b(ids), 0.0));
+  // clone() is a deep copy with the same outputs
+  auto c = std::dynamic_pointer_cast<ForgettingTransformerForCausalLMImpl>(a->clone());
+  CHECK(close(a(ids), c->forward(ids), 0.0));
+}
+
+TEST_CASE("Tied embeddings and padding row", "[nn][model]") {
+  auto cfg = fox_test::tiny_config("fox_llama");
+  cfg.tie_word_embeddings(true).pad_token_id(0);
+  ForgettingTransformerForCausalLM lm(cfg);
+  CHECK(lm->named_parameters().find("lm_head.weight") == nullptr);
+  CHECK(lm->model->embeddings->weight[0].eq(0).all().item<bool>());
+  auto h = lm->model(torch::randint(0, 61, {1, 4}));
+  CHECK(close(lm->logits(h), torch::matmul(h, lm->model->embeddings->weight.t()), 1e-5));
+}

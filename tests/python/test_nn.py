@@ -1,0 +1,196 @@
+"""forgetting_transformer.nn: the bound C++ modules against a small pure-PyTorch reference of the
+same math (weights shared through state_dict), state_dict round trip, a training step with
+torch.optim, the KV cache and generation."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forgetting_transformer import nn as fnn
+
+ARCHS = ["fox_llama", "fox_pro", "transformer_llama", "transformer_pro"]
+
+
+def tiny(arch, **kw):
+    c = fnn.ForgettingTransformerConfig(vocab_size=53, hidden_size=32, num_hidden_layers=2,
+                                        num_heads=4, **kw).preset(arch)
+    c.intermediate_size = 48
+    return c
+
+
+# ---- pure-PyTorch reference of the authors' model, reading a state_dict -----------------------
+
+def rms(x, w, groups, eps):
+    shape = x.shape
+    g = x.reshape(*shape[:-1], groups, -1)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return g.reshape(shape) * w
+
+
+def shift(x, sd, p, heads):
+    out = x @ sd[p + "linear.weight"].T
+    alpha = torch.sigmoid(x @ sd[p + "shift_proj.weight"].T)[..., None]
+    B, T, _ = out.shape
+    cur = out.view(B, T, heads, -1)
+    prev = F.pad(cur, (0, 0, 0, 0, 1, 0))[:, :-1]
+    return (alpha * prev + (1 - alpha) * cur).reshape(B, T, -1)
+
+
+def rope(x, base):  # (B, T, H, D), halves
+    T, D = x.shape[1], x.shape[-1]
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def ref_attn(c, sd, p, x):
+    B, T, _ = x.shape
+    H, D = c.num_heads, c.hidden_size // c.num_heads
+    q = x @ sd[p + "q_proj.weight"].T
+    k = shift(x, sd, p + "k_proj.", H) if c.use_k_shift else x @ sd[p + "k_proj.weight"].T
+    v = shift(x, sd, p + "v_proj.", H) if c.use_v_shift else x @ sd[p + "v_proj.weight"].T
+    if c.qk_norm:
+        q, k = rms(q, sd[p + "q_norm.weight"], H, 1e-5), rms(k, sd[p + "k_norm.weight"], H, 1e-5)
+    q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
+    if c.use_rope:
+        q, k = rope(q, c.rope_base), rope(k, c.rope_base)
+    if c.fgate_type == "full":
+        lf = F.logsigmoid(x @ sd[p + "fgate_proj.weight"].T + sd[p + "fgate_proj.bias"])
+    else:
+        lf = torch.zeros(B, T, H, dtype=x.dtype)
+    cs = lf.cumsum(1).transpose(1, 2)  # (B, H, T)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D) + cs[..., :, None] - cs[..., None, :]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v).reshape(B, T, H * D)
+    if c.use_output_norm:
+        o = rms(o, sd[p + "output_norm.weight"], H, c.norm_eps)
+    if c.use_output_gate:
+        o = o * torch.sigmoid(x @ sd[p + "ogate_proj.weight"].T)
+    return o @ sd[p + "o_proj.weight"].T
+
+
+def ref_lm(c, sd, ids):
+    h = sd["model.embeddings.weight"][ids]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = h + ref_attn(c, sd, p + "attn.", rms(h, sd[p + "attn_norm.weight"], 1, c.norm_eps))
+        g, y = (rms(h, sd[p + "mlp_norm.weight"], 1, c.norm_eps) @ sd[p + "mlp.gate_proj.weight"].T).chunk(2, -1)
+        h = h + (F.silu(g) * y) @ sd[p + "mlp.down_proj.weight"].T
+    return rms(h, sd["model.norm.weight"], 1, c.norm_eps) @ sd["lm_head.weight"].T
+
+
+def randomized(model, scale=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return model
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_lm_matches_reference(arch):
+    torch.manual_seed(0)
+    c = tiny(arch)
+    model = randomized(fnn.ForgettingTransformerForCausalLM(c).double())
+    assert isinstance(model, torch.nn.Module)
+    ids = torch.randint(0, 53, (2, 9))
+    sd = model.state_dict()
+    torch.testing.assert_close(model(ids), ref_lm(c, sd, ids), rtol=1e-9, atol=1e-9)
+    labels = torch.randint(0, 53, (2, 9))
+    loss = model(ids, labels=labels)
+    ref = F.cross_entropy(ref_lm(c, sd, ids).flatten(0, 1), labels.flatten(), reduction="none")
+    torch.testing.assert_close(loss, ref.view(2, 9), rtol=1e-9, atol=1e-9)
+
+
+def test_parameter_names_and_shapes():
+    c = fnn.ForgettingTransformerConfig(vocab_size=100, hidden_size=1536, num_hidden_layers=1,
+                                        num_heads=24).preset("fox_pro")
+    model = fnn.ForgettingTransformerForCausalLM(c)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes["model.layers.0.attn.k_proj.linear.weight"] == (1536, 1536)
+    assert shapes["model.layers.0.attn.k_proj.shift_proj.weight"] == (24, 1536)
+    assert shapes["model.layers.0.attn.fgate_proj.bias"] == (24,)
+    assert shapes["model.layers.0.attn.q_norm.weight"] == (1536,)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (2 * 3584, 1536)  # ratio 3.5
+    assert shapes["lm_head.weight"] == (100, 1536)
+    assert fnn.mlp_intermediate_size(1536, 4.0) == 4096
+
+
+def test_layer_options_and_errors():
+    layer = fnn.ForgettingAttentionLayer(32, 4, fgate_type="fixed", fgate_bias_init=True,
+                                         decay_time_min=2.0, decay_time_max=64.0)
+    assert "fgate_bias" in dict(layer.named_buffers())
+    assert "fgate_bias" not in dict(layer.named_parameters())
+    with pytest.raises(RuntimeError, match="fgate_type"):
+        fnn.ForgettingAttentionLayer(32, 4, fgate_type="nope")
+    with pytest.raises(AttributeError):
+        fnn.ForgettingAttentionLayer(32, 4, not_an_option=1)
+    with pytest.raises(RuntimeError, match="unknown architecture"):
+        fnn.ForgettingTransformerConfig().preset("rwkv")
+
+
+def test_state_dict_round_trip(tmp_path):
+    c = tiny("fox_pro")
+    a = randomized(fnn.ForgettingTransformerForCausalLM(c), seed=1)
+    b = fnn.ForgettingTransformerForCausalLM(c)
+    ids = torch.randint(0, 53, (2, 6))
+    torch.save(a.state_dict(), tmp_path / "sd.pt")
+    b.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    torch.testing.assert_close(a(ids), b(ids), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="missing keys"):
+        b.load_state_dict({})
+
+
+def test_training_step_reduces_loss():
+    torch.manual_seed(2)
+    model = fnn.ForgettingTransformerForCausalLM(tiny("fox_pro"))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 53, (4, 16))
+    labels = torch.roll(ids, -1, 1)
+    losses = []
+    model.train()
+    for _ in range(8):
+        loss = model(ids, labels=labels).mean()
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("arch", ["fox_pro", "transformer_pro"])
+def test_cache_decoding_equals_full_forward(arch):
+    model = randomized(fnn.ForgettingTransformerForCausalLM(tiny(arch)).double(), 0.1)
+    ids = torch.randint(1, 53, (2, 10))
+    seq_start = torch.tensor([2, 0])
+    full = model(ids, seq_start=seq_start)
+    cache = model.new_cache()
+    parts = [model(ids[:, :4], cache=cache, seq_start=seq_start)]
+    for t in range(4, 10):
+        parts.append(model(ids[:, t:t + 1], cache=cache))
+    assert len(cache) == 10
+    assert cache.layer(0).log_fgate.shape == (2, 10, 4)
+    torch.testing.assert_close(torch.cat(parts, 1)[:, 2:], full[:, 2:], rtol=1e-9, atol=1e-9)
+
+
+def test_generate_greedy_and_sampling():
+    torch.manual_seed(3)
+    model = randomized(fnn.ForgettingTransformerForCausalLM(tiny("fox_llama")).double())
+    prompt = torch.randint(0, 53, (2, 5))
+    out = model.generate(prompt, max_new_tokens=5)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+    stopped = model.generate(prompt, max_new_tokens=5, stop_tokens=out[:, 5].tolist())
+    assert stopped.shape == (2, 6)
+    sampled = model.generate(prompt, max_new_tokens=4, do_sample=True, temperature=0.7, top_k=5,
+                             top_p=0.9)
+    assert sampled.shape == (2, 9) and torch.equal(sampled[:, :5], prompt)
