@@ -164,7 +164,9 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
     const float* lse_h = static_cast<const float*>(p.lse) + row_stat_offset(p, s, h);
     const float* delta_h = ws.delta + row_stat_offset(p, s, h);
 
-    // R of the keys relative to the anchor (the last key): upper 32 first.
+    // R of the keys relative to the anchor (the last key): upper 32 first. The barrier: every
+    // warp is done reading the previous head's Rk.
+    __syncthreads();
     DownwardGateWalk<float> down;
     down.carry = 0.f;
     down.boundary = anchor;
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
       for (int64_t qt = qt_begin; qt * kBlockM < s.len_q; ++qt) {
         const int64_t i0 = qt * kBlockM, p0 = i0 + offset;
         const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
+        __syncthreads();  // every warp is done with the previous query tile's Rq
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int64_t pos = p0 + 32 * half + lane;
@@ -318,19 +321,19 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
   walk.boundary = a;
   for (int64_t kt = L / kBlockN; kt >= s.first_key / kBlockN; --kt) {
     const int64_t j0 = kt * kBlockN;
+    __syncthreads();  // every warp is done with the previous tile's Rk, K and V
 #pragma unroll
     for (int half = 1; half >= 0; --half) {
       const int64_t jh = j0 + 32 * half;
       float r = walk.step(hp.g, hp.g_row, jh, lane);
       const int64_t j = jh + lane;
       if (j >= a) r = j <= L ? Rq[j - a] : 0.f;
-      Rk[32 * half + lane] = r;
+      Rk[32 * half + lane] = r;  // every warp writes the same values: each reads its own
     }
     __syncwarp();
     if (-Rk[min64(j0 + kBlockN - 1, L) - j0] < p.prune_threshold) break;
 
     const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
-    __syncthreads();  // previous K/V no longer read
     async_load_tile<T, kHeadDim>(Ks, hp.k + j0 * hp.k_row, hp.k_row, nk);
     async_load_tile<T, kHeadDim>(Vs, hp.v + j0 * hp.v_row, hp.v_row, nk);
     cp_async_commit();

@@ -191,7 +191,10 @@ __global__ void __launch_bounds__(kForwardThreads<kHeadDim>, kForwardMinBlocks<k
 
   for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
     const int64_t j0 = kt * kBlockN;
-    // R of the 64 keys (upper 32 first: the walk goes downwards), then the pruning test.
+    // Every warp is done with the previous tile (its Rk and the K/V stage prefetched below).
+    __syncthreads();
+    // R of the 64 keys (upper 32 first: the walk goes downwards), then the pruning test. Every
+    // warp writes the same values and reads its own.
 #pragma unroll
     for (int half = 1; half >= 0; --half) {
       const int64_t jh = j0 + 32 * half;
