@@ -108,3 +108,18 @@ def test_cmake_consumer(tmp_path):
     expected_out, expected_grads = _expected_sums()
     assert out_sum == pytest.approx(expected_out, rel=1e-6, abs=1e-6)
     assert grad_sums == pytest.approx(expected_grads, rel=1e-5, abs=1e-4)
+
+
+def test_example_train_tiny(tmp_path):
+    """examples/train_tiny, built against the installed package: the loss falls and it
+    generates text."""
+    build = tmp_path / "build"
+    _run(_configure_args(REPO_ROOT / "examples" / "train_tiny", build))
+    _run([shutil.which("cmake"), "--build", build, "--parallel", "2"])
+    stdout = _run([build / "fox_train_tiny", "40"], timeout=300)
+    values = dict(re.findall(r"^(\w+)=(.*)$", stdout, flags=re.M))
+    first, last = float(values["first_loss"]), float(values["last_loss"])
+    assert last < 0.8 * first, stdout
+    generated = re.search(r"^generated: (.*)$", stdout, flags=re.M)
+    assert generated and generated.group(1).startswith("The forget gate "), stdout
+    assert len(generated.group(1).encode("latin-1", "replace")) > len("The forget gate ")
