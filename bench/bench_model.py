@@ -112,7 +112,7 @@ def main():
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, B={B}, T={T}, bf16 autocast, fwd+bwd")
-    print("| model | fox_torch tokens/s | eager tokens/s | ratio | loss (fox / eager) |")
+    print("| model | fox_torch k tokens/s | eager k tokens/s | ratio | loss (fox / eager) |")
     print("|---|---|---|---|---|")
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cuda")
     for arch, eager_name in (("fox_pro", "FlexAttention"), ("transformer_pro", "SDPA")):
