@@ -8,13 +8,16 @@
     loss = model(input_ids, labels=labels)        # per-token loss (B, T), as the authors
     cache = model.new_cache(); model(prompt, cache=cache); model(next_ids, cache=cache)
     out = model.generate(prompt, max_new_tokens=20, do_sample=True, top_p=0.9)
+    model.save_pretrained("ckpt")                 # ckpt/config.json + ckpt/model.safetensors
+    model = ForgettingTransformerForCausalLM.from_pretrained("ckpt")  # also the authors' HF dirs
 
 The parameters are the C++ module's tensors (shared, not copied): optimizers, state_dict(),
 load_state_dict(), .to() and train()/eval() act on the C++ model directly. Module and parameter
 names are the authors' (e.g. ``model.layers.0.attn.q_proj.weight``).
 """
+import os
 from collections import OrderedDict
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple, Union
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -30,6 +33,12 @@ KVCache = _nn.KVCache
 LayerCache = _nn.LayerCache
 mlp_intermediate_size = _nn.mlp_intermediate_size
 sample_next_token = _nn.sample_next_token
+config_to_json = _nn.config_to_json
+config_from_json = _nn.config_from_json
+load_config = _nn.load_config
+save_safetensors = _nn.save_safetensors
+load_safetensors = _nn.load_safetensors
+load_safetensors_metadata = _nn.load_safetensors_metadata
 
 # Methods that torch.nn.cpp.ModuleWrapper copies from the C++ object onto the instance and that we
 # replace by nn.Module-compatible versions (returning self, yielding (name, tensor) pairs, ...).
@@ -172,10 +181,39 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
             raise TypeError("pass either options or keyword arguments, not both")
         return self._cpp_generate(input_ids, options)
 
+    # ---- Hugging Face-format checkpoints (config.json + model.safetensors) ----------------------
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_path: Union[str, os.PathLike], *,
+                        device: Optional[Union[str, torch.device]] = None,
+                        dtype: Optional[torch.dtype] = None, strict: bool = False,
+                        **config_overrides) -> "ForgettingTransformerForCausalLM":
+        """A model from a checkpoint directory: config.json (the authors' config; unknown keys
+        are ignored) and model.safetensors (or a sharded model.safetensors.index.json).
+        Parameters are float32 on the CPU unless dtype/device are given, whatever the stored
+        dtype. config_overrides set config fields after reading (e.g. log_pruning_tolerance).
+        strict: tensors the model does not have are an error (else a warning)."""
+        config = load_config(os.fspath(pretrained_model_path))
+        for k, v in config_overrides.items():
+            setattr(config, k, v)
+        model = cls(config)
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=dtype)
+        _nn.load_pretrained_weights(model.cpp_module, os.fspath(pretrained_model_path), strict)
+        return model
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike]) -> None:
+        """Writes save_directory/config.json and save_directory/model.safetensors (every
+        parameter and buffer in its current dtype), loadable by from_pretrained and
+        fox::nn::load_pretrained."""
+        _nn.save_pretrained(self.cpp_module, os.fspath(save_directory))
+
 
 __all__ = [
     "ForgettingTransformerConfig", "ForgettingAttentionLayerOptions", "GenerationOptions",
     "KVCache", "LayerCache", "RMSNorm", "GroupRMSNorm", "ShiftLinear", "GatedMLP",
     "ForgettingAttentionLayer", "ForgettingTransformerBlock", "ForgettingTransformerModel",
     "ForgettingTransformerForCausalLM", "mlp_intermediate_size", "sample_next_token",
+    "config_to_json", "config_from_json", "load_config", "save_safetensors", "load_safetensors",
+    "load_safetensors_metadata",
 ]

@@ -5,6 +5,10 @@
 #include <torch/extension.h>
 #include <torch/python.h>
 
+#include <map>
+#include <optional>
+#include <string>
+
 #include <fox/nn.h>
 
 namespace py = pybind11;
@@ -225,6 +229,50 @@ void init_nn_bindings(py::module_& parent) {
           py::arg("input_ids"), py::arg("options"))
       .def_property_readonly("config",
                              [](ForgettingTransformerForCausalLMImpl& s) { return s.config; });
+
+  // ---- checkpoints (HF format: config.json + model.safetensors) --------------------------------
+  m.def("config_to_json", &config_to_json, py::arg("config"),
+        "config.json text of a config (sorted keys, model_type and architectures added)");
+  m.def(
+      "config_from_json",
+      [](const std::string& text) { return config_from_json(text); }, py::arg("text"),
+      "A config from config.json text (unknown keys ignored, missing keys keep the defaults)");
+  m.def("load_config", &load_config, py::arg("path"),
+        "A config from a config.json file or a checkpoint directory");
+  m.def(
+      "save_safetensors",
+      [](const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
+         const std::optional<std::map<std::string, std::string>>& metadata) {
+        py::gil_scoped_release no_gil;
+        save_safetensors(path, tensors, metadata.value_or(std::map<std::string, std::string>{}));
+      },
+      py::arg("path"), py::arg("tensors"), py::arg("metadata") = py::none(),
+      "Writes a dict of tensors to a safetensors file");
+  m.def(
+      "load_safetensors",
+      [](const std::string& path) {
+        py::gil_scoped_release no_gil;
+        return load_safetensors(path);
+      },
+      py::arg("path"), "Reads every tensor of a safetensors file (CPU tensors)");
+  m.def("load_safetensors_metadata", &load_safetensors_metadata, py::arg("path"),
+        "The __metadata__ of a safetensors file");
+  m.def(
+      "save_pretrained",
+      [](const ForgettingTransformerForCausalLMImpl& model, const std::string& dir) {
+        py::gil_scoped_release no_gil;
+        save_pretrained(model, dir);
+      },
+      py::arg("model"), py::arg("save_directory"),
+      "Writes config.json and model.safetensors into a directory");
+  m.def(
+      "load_pretrained_weights",
+      [](ForgettingTransformerForCausalLMImpl& model, const std::string& path, bool strict) {
+        py::gil_scoped_release no_gil;
+        load_pretrained_weights(model, path, strict);
+      },
+      py::arg("model"), py::arg("path"), py::arg("strict") = false,
+      "Copies the weights of a checkpoint directory (or a .safetensors file) into the model");
 
   m.def("mlp_intermediate_size", &mlp_intermediate_size, py::arg("hidden_size"),
         py::arg("hidden_ratio"));
