@@ -1,0 +1,182 @@
+"""The `fox` command line (also `python -m forgetting_transformer`).
+
+    fox run                         train the tiny FoX and Transformer, evaluate, write a report
+    fox train [--preset tiny] [--config cfg.yaml] [--resume] [--set key=value ...]
+    fox eval CHECKPOINT [CHECKPOINT ...]      per-token loss L(i) and loss by context length
+    fox inspect CHECKPOINT          forget-gate heatmaps, attention maps, per-head statistics
+    fox generate CHECKPOINT --prompt "def "
+    fox demo                        the Forgetting Attention op against the plain formula
+"""
+import argparse
+import json
+import os
+import sys
+
+from . import config as cfgmod
+
+TRAIN_FLAGS = {  # flag -> (config key, type, help)
+    "--models": ("models", str, "comma-separated architectures (fox_pro,transformer_pro,...)"),
+    "--hidden-size": ("hidden_size", int, None),
+    "--layers": ("num_hidden_layers", int, None),
+    "--heads": ("num_heads", int, None),
+    "--seq-len": ("seq_len", int, "training context length"),
+    "--batch-size": ("batch_size", int, "sequences per optimizer step"),
+    "--micro-batch-size": ("micro_batch_size", int, "sequences per forward (grad accumulation)"),
+    "--steps": ("steps", int, None),
+    "--warmup-steps": ("warmup_steps", int, None),
+    "--lr": ("lr", float, "peak learning rate of every model (default: per architecture)"),
+    "--seed": ("seed", int, None),
+    "--device": ("device", str, "auto | cpu | cuda"),
+    "--dtype": ("dtype", str, "auto | fp32 | bf16"),
+    "--threads": ("threads", int, "torch threads"),
+    "--out-dir": ("out_dir", str, "run directory (metrics.jsonl, checkpoints/)"),
+    "--log-interval": ("log_interval", int, None),
+    "--eval-interval": ("eval_interval", int, None),
+    "--checkpoint-interval": ("checkpoint_interval", int, None),
+    "--max-files": ("max_files", int, "use at most this many train files"),
+}
+
+
+def _add_train_flags(p):
+    p.add_argument("--preset", choices=list(cfgmod.PRESETS), default=None,
+                   help="tiny (default; a 2-core CPU), micro (seconds), 125m, 360m, 760m (paper)")
+    p.add_argument("--config", help="YAML or JSON file of config keys")
+    for flag, (key, typ, hlp) in TRAIN_FLAGS.items():
+        p.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key; VALUE is parsed as JSON when it can be")
+
+
+def _config_from(args):
+    overrides = {key: getattr(args, key) for _, (key, _, _) in TRAIN_FLAGS.items()}
+    for item in args.set:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k] = cfgmod.parse_value(v)
+    return cfgmod.build(args.preset, args.config, overrides)
+
+
+def cmd_train(args):
+    from .train import train
+    cfg = _config_from(args)
+    if args.print_config:
+        print(json.dumps(cfg, indent=2))
+        return
+    if args.dry_run:
+        from .train import build_model, count_parameters
+        for i, arch in enumerate(cfg["models"]):
+            m = build_model(cfg, arch, i, "cpu")
+            p = count_parameters(m)
+            print(f"{arch}: {p['total'] / 1e6:.1f}M parameters, {p['non_embedding'] / 1e6:.1f}M "
+                  f"non-embedding, {p['forget_gate']} in forget gates")
+            del m
+        return
+    train(cfg, resume=args.resume, stop_at=args.stop_at)
+
+
+def cmd_eval(args):
+    from .evaluate import evaluate
+    evaluate(args.checkpoints, out_dir=args.out_dir, lengths=args.lengths, num=args.num,
+             device=args.device, smooth=args.smooth)
+
+
+def cmd_inspect(args):
+    from .inspect import inspect
+    inspect(args.checkpoint, out_dir=args.out_dir, seq_len=args.seq_len, text_file=args.text_file,
+            heads=args.heads)
+
+
+def cmd_generate(args):
+    from .generate import generate
+    generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+             greedy=args.greedy, seed=args.seed, models=args.models)
+
+
+def cmd_run(args):
+    from .report import run
+    run(args)
+
+
+def cmd_demo(args):  # reached only through make_parser() users; main() short-cuts "demo"
+    from .demo import main as demo_main
+    demo_main(args.rest)
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(prog="fox", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("run", help="train both tiny models, evaluate, inspect, write a report")
+    _add_train_flags(p)
+    p.add_argument("--report-dir", default=None, help="default: <out-dir>/report")
+    p.add_argument("--resume", action="store_true", help="continue a previous run in out-dir")
+    p.add_argument("--eval-num", type=int, default=None, help="validation windows per length")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train", help="train FoX and the Transformer side by side")
+    _add_train_flags(p)
+    p.add_argument("--resume", action="store_true", help="continue from out-dir's last checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dry-run", action="store_true", help="build the models, print sizes, exit")
+    p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="per-token loss L(i) and loss by context length")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint files or run directories")
+    p.add_argument("--out-dir", default=None, help="default: eval/ beside the first checkpoint's run")
+    p.add_argument("--lengths", default=None,
+                   help="comma-separated context lengths (default: T/4,T/2,T,2T of training T)")
+    p.add_argument("--num", type=int, default=32, help="validation windows per length")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--smooth", type=int, default=None, help="moving-average window of the L(i) plot")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("inspect", help="forget gates: heatmaps, attention maps, head classes")
+    p.add_argument("checkpoint")
+    p.add_argument("--out-dir", default=None, help="default: inspect/ in the run directory")
+    p.add_argument("--seq-len", type=int, default=128, help="length of the inspected sequence")
+    p.add_argument("--text-file", default=None, help="inspect this file (default: a validation file)")
+    p.add_argument("--heads", type=int, default=4, help="attention maps of this many heads")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained model")
+    p.add_argument("checkpoint")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", default=None, help="comma-separated subset of the checkpoint's models")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the Forgetting Attention op against the plain formula")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="demo flags (--batch, --seqlen, ...)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own flags
+        from .demo import main as demo_main
+        demo_main(argv[1:])
+        return 0
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+__all__ = ["main", "make_parser"]
