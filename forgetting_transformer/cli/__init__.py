@@ -3,6 +3,8 @@
     fox run                         train the tiny FoX and Transformer, evaluate, write a report
     fox train [--preset tiny] [--config cfg.yaml] [--resume] [--set key=value ...]
     fox eval CHECKPOINT [CHECKPOINT ...]      per-token loss L(i) and loss by context length
+    fox eval CHECKPOINT --needle [--mqar]     needle-in-a-haystack grid, associative recall
+    torchrun --nproc_per_node N -m forgetting_transformer train ...   data-parallel (DDP)
     fox inspect CHECKPOINT          forget-gate heatmaps, attention maps, per-head statistics
     fox generate CHECKPOINT --prompt "def "
     fox demo                        the Forgetting Attention op against the plain formula
@@ -34,6 +36,9 @@ TRAIN_FLAGS = {  # flag -> (config key, type, help)
     "--eval-interval": ("eval_interval", int, None),
     "--checkpoint-interval": ("checkpoint_interval", int, None),
     "--max-files": ("max_files", int, "use at most this many train files"),
+    "--data-dir": ("data_dir", str, "train on a directory of text files (split by file)"),
+    "--tokens": ("tokens", str, "train on pre-tokenized ids: FILE.npy, or raw with --token-dtype"),
+    "--token-dtype": ("token_dtype", str, "uint16 | uint32 (raw --tokens files)"),
 }
 
 
@@ -43,12 +48,15 @@ def _add_train_flags(p):
     p.add_argument("--config", help="YAML or JSON file of config keys")
     for flag, (key, typ, hlp) in TRAIN_FLAGS.items():
         p.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard with FSDP2 under torchrun (not supported by the C++ modules: errors)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key; VALUE is parsed as JSON when it can be")
 
 
 def _config_from(args):
     overrides = {key: getattr(args, key) for _, (key, _, _) in TRAIN_FLAGS.items()}
+    overrides["fsdp"] = getattr(args, "fsdp", None)
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
@@ -76,9 +84,21 @@ def cmd_train(args):
 
 
 def cmd_eval(args):
+    if args.needle or args.mqar:
+        from .tasks import run_tasks
+        run_tasks(args.checkpoints, out_dir=args.out_dir, needle=args.needle, mqar=args.mqar,
+                  lengths=args.lengths, depths=args.depths, pairs=args.pairs,
+                  num=args.num if args.num is not None else 8, device=args.device,
+                  data_overrides=_data_overrides(args))
+        return
     from .evaluate import evaluate
-    evaluate(args.checkpoints, out_dir=args.out_dir, lengths=args.lengths, num=args.num,
-             device=args.device, smooth=args.smooth)
+    evaluate(args.checkpoints, out_dir=args.out_dir, lengths=args.lengths,
+             num=args.num if args.num is not None else 32, device=args.device, smooth=args.smooth,
+             data_overrides=_data_overrides(args))
+
+
+def _data_overrides(args):
+    return {"data_dir": args.data_dir, "tokens": args.tokens, "token_dtype": args.token_dtype}
 
 
 def cmd_inspect(args):
@@ -129,8 +149,17 @@ def make_parser():
     p.add_argument("--out-dir", default=None, help="default: eval/ beside the first checkpoint's run")
     p.add_argument("--lengths", default=None,
                    help="comma-separated context lengths (default: T/4,T/2,T,2T of training T)")
-    p.add_argument("--num", type=int, default=32, help="validation windows per length")
+    p.add_argument("--num", type=int, default=None,
+                   help="validation windows per length (32); samples per needle cell / MQAR size (8)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--needle", action="store_true",
+                   help="needle-in-a-haystack grid (context length x depth): needle.json, needle.png")
+    p.add_argument("--depths", default=None, help="needle depths in [0, 1] (default 0,.25,.5,.75,1)")
+    p.add_argument("--mqar", action="store_true", help="multi-query associative recall: mqar.json")
+    p.add_argument("--pairs", default=None, help="MQAR key-value pair counts (default 4,8,16,32)")
+    p.add_argument("--data-dir", default=None, help="evaluate on this directory of text files")
+    p.add_argument("--tokens", default=None, help="evaluate on these pre-tokenized ids")
+    p.add_argument("--token-dtype", default=None, help="uint16 | uint32 (raw --tokens files)")
     p.add_argument("--smooth", type=int, default=None, help="moving-average window of the L(i) plot")
     p.set_defaults(func=cmd_eval)
 

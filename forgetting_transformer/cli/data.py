@@ -33,15 +33,16 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def list_source_files(root: Optional[str] = None) -> List[str]:
-    """Sorted relative paths of the *.py files under root, without site-packages/dist-packages."""
+def list_source_files(root: Optional[str] = None, suffix: Optional[str] = ".py") -> List[str]:
+    """Sorted relative paths of the files under root ending in ``suffix`` (None: every file not
+    starting with "."), without site-packages/dist-packages/__pycache__/hidden directories."""
     root = root or stdlib_root()
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and
+                             d not in ("site-packages", "dist-packages", "__pycache__"))
         for f in filenames:
-            if f.endswith(".py"):
+            if (f.endswith(suffix) if suffix else not f.startswith(".")):
                 out.append(os.path.relpath(os.path.join(dirpath, f), root))
     return sorted(out)
 
@@ -116,14 +117,23 @@ def crop(doc: torch.Tensor, length: int, offset: int) -> Tuple[torch.Tensor, tor
 class ByteCorpus:
     """Train and validation documents plus deterministic samplers."""
 
+    byte_level = True   # token ids are bytes (the needle task needs text)
+
     def __init__(self, root: Optional[str] = None, val_fraction: float = 0.05,
-                 max_files: Optional[int] = None, docs: Optional[Tuple[Documents, Documents]] = None):
+                 max_files: Optional[int] = None, docs: Optional[Tuple[Documents, Documents]] = None,
+                 suffix: Optional[str] = ".py"):
         self.root = root or stdlib_root()
         if docs is not None:
             self.train, self.val = docs
             return
-        files = list_source_files(self.root)
+        files = list_source_files(self.root, suffix)
+        if not files:
+            raise SystemExit(f"{self.root}: no {'*' + suffix if suffix else ''} files")
         train, val = split_files(files, val_fraction)
+        if not val:       # a small directory: still hold one file out
+            train, val = train[:-1], train[-1:]
+        if not train:
+            raise SystemExit(f"{self.root}: needs at least two files (split by file)")
         if max_files:
             train, val = train[:max_files], val[:max(1, max_files // 10)]
         self.train = Documents.from_files(self.root, train)
@@ -167,3 +177,64 @@ class ByteCorpus:
             ids.append(x)
             labels.append(y)
         return torch.stack(ids), torch.stack(labels)
+
+
+class TokenCorpus(ByteCorpus):
+    """Pre-tokenized ids (``--tokens FILE``): a .npy array, or raw little-endian uint16/uint32
+    (``--token-dtype``). The stream has no document boundaries, so it is cut into fixed chunks
+    that play the role of files: the train/validation split is by chunk (a stable hash of the
+    chunk index) and windows never cross a chunk boundary. The ids are taken as they are; the
+    byte-level specials (BOS/EOS/PAD = 256/257/258) are only used to pad short windows, whose
+    labels are ignored."""
+
+    def __init__(self, path: str, dtype: Optional[str] = None, val_fraction: float = 0.05,
+                 max_files: Optional[int] = None, chunk_tokens: Optional[int] = None):
+        if path.endswith(".npy"):
+            arr = np.load(path, mmap_mode="r")
+        else:
+            if dtype not in ("uint16", "uint32"):
+                raise SystemExit(f"{path}: raw token files need --token-dtype uint16 or uint32")
+            arr = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+        arr = np.asarray(arr).reshape(-1)
+        if arr.size < 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise SystemExit(f"{path}: expected a 1-D array of integer token ids")
+        if int(arr.min()) < 0 or int(arr.max()) >= 2 ** 31:
+            raise SystemExit(f"{path}: token ids out of range")
+        self.max_id = int(arr.max())
+        n = arr.size
+        chunk = chunk_tokens or min(65536, max(1024, n // 20))
+        tr_names, va_names = [], []
+        for i, s in enumerate(range(0, n, chunk)):
+            name = f"chunk{i:06d}"
+            (va_names if is_validation(name, val_fraction) else tr_names).append((name, s))
+        if not va_names:
+            va_names = tr_names[-1:]
+            tr_names = tr_names[:-1]
+        if not tr_names:
+            raise SystemExit(f"{path}: too few tokens ({n}) to split into train and validation")
+        if max_files:
+            tr_names, va_names = tr_names[:max_files], va_names[:max(1, max_files // 10)]
+
+        def docs(items):
+            parts = [np.asarray(arr[s:s + chunk], dtype=np.int32) for _, s in items]
+            tokens = torch.from_numpy(np.concatenate(parts))
+            lengths = np.asarray([len(p) for p in parts], np.int64)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            return Documents([nm for nm, _ in items], tokens, starts, lengths)
+
+        super().__init__(root=os.path.abspath(path), docs=(docs(tr_names), docs(va_names)))
+        self.byte_level = False
+
+
+def make_corpus(cfg) -> ByteCorpus:
+    """The corpus a run config names: ``tokens`` (pre-tokenized file), ``data_dir`` (a directory
+    of text files, every file one document, split by file) or the standard library (default)."""
+    if cfg.get("tokens"):
+        return TokenCorpus(cfg["tokens"], cfg.get("token_dtype"), cfg["val_fraction"],
+                           cfg.get("max_files"))
+    if cfg.get("data_dir"):
+        if not os.path.isdir(cfg["data_dir"]):
+            raise SystemExit(f"--data-dir {cfg['data_dir']}: not a directory")
+        return ByteCorpus(root=os.path.abspath(cfg["data_dir"]), val_fraction=cfg["val_fraction"],
+                          max_files=cfg.get("max_files"), suffix=None)
+    return ByteCorpus(val_fraction=cfg["val_fraction"], max_files=cfg.get("max_files"))

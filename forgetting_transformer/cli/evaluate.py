@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import plots
-from .data import IGNORE_INDEX, ByteCorpus
+from .data import IGNORE_INDEX, ByteCorpus, make_corpus
 from .train import autocast_for, load_checkpoint, models_from_checkpoint, resolve_device
 
 
@@ -38,16 +38,17 @@ def _run_name(ckpt) -> str:
 def evaluate(checkpoints: Sequence[str], out_dir: Optional[str] = None,
              lengths: Optional[str] = None, num: int = 32, device: str = "auto",
              smooth: Optional[int] = None, corpus: Optional[ByteCorpus] = None,
-             quiet: bool = False) -> Dict:
+             quiet: bool = False, data_overrides: Optional[Dict] = None) -> Dict:
     ckpts = [load_checkpoint(p) for p in checkpoints]
-    cfg0 = ckpts[0]["config"]
+    cfg0 = dict(ckpts[0]["config"])
+    cfg0.update({k: v for k, v in (data_overrides or {}).items() if v is not None})
     if out_dir is None:
         out_dir = os.path.join(cfg0["out_dir"], "eval")
     os.makedirs(out_dir, exist_ok=True)
     dev = resolve_device({"device": device})
     autocast = autocast_for({"dtype": "auto"}, dev)
     if corpus is None:
-        corpus = ByteCorpus(val_fraction=cfg0["val_fraction"], max_files=cfg0["max_files"])
+        corpus = make_corpus(cfg0)
     T0 = cfg0["seq_len"]
     if lengths:
         lens = sorted({int(x) for x in str(lengths).split(",") if x.strip()})

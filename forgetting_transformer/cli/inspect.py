@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import config as cfgmod
 from . import plots
-from .data import ByteCorpus, crop, decode, encode
+from .data import ByteCorpus, crop, decode, encode, make_corpus
 from .train import count_parameters, load_checkpoint, models_from_checkpoint
 
 
@@ -128,7 +128,7 @@ def inspect(checkpoint: str, out_dir: Optional[str] = None, seq_len: int = 128,
     out_dir = out_dir or os.path.join(cfg["out_dir"], "inspect")
     os.makedirs(out_dir, exist_ok=True)
     models = models_from_checkpoint(ckpt, "cpu")
-    corpus = corpus or ByteCorpus(val_fraction=cfg["val_fraction"], max_files=cfg["max_files"])
+    corpus = corpus or make_corpus(cfg)
 
     if text_file:
         with open(text_file, encoding="utf-8", errors="replace") as fh:

@@ -130,3 +130,33 @@ def plot_training(metrics_path: str, archs: Sequence[str], path: str) -> Optiona
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def plot_needle(grid: Dict, path: str) -> Optional[str]:
+    """Needle-in-a-haystack heatmaps: exact match by context length (x) and needle depth (y), one
+    panel per model."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    labels = list(grid["models"])
+    lens, depths = grid["lengths"], grid["depths"]
+    fig, axes = plt.subplots(1, len(labels), figsize=(1.2 + 0.9 * max(3, len(lens)) * len(labels), 3.8),
+                             squeeze=False)
+    im = None
+    for k, (ax, label) in enumerate(zip(axes[0], labels)):
+        acc = np.asarray(grid["models"][label]["exact_match"], dtype=np.float64).T   # depth x length
+        im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(lens)), [str(l) for l in lens], fontsize=8)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
+        for i in range(acc.shape[0]):
+            for j in range(acc.shape[1]):
+                ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xlabel("context length (tokens)")
+        if k == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(label, fontsize=9)
+    fig.colorbar(im, ax=list(axes[0]), label="exact match")
+    fig.suptitle("Needle in a haystack", fontsize=10)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

@@ -7,7 +7,7 @@ import os
 import time
 
 from . import plots
-from .data import ByteCorpus
+from .data import ByteCorpus, make_corpus
 
 
 def _table(header, rows):
@@ -31,7 +31,7 @@ def run(args):
     print(f"fox run: {len(cfg['models'])} models, preset {cfg['preset']}, {cfg['steps']} steps; "
           f"report -> {report_dir}", flush=True)
 
-    corpus = ByteCorpus(val_fraction=cfg["val_fraction"], max_files=cfg["max_files"])
+    corpus = make_corpus(cfg)
     timings = {}
     t = time.perf_counter()
     existing = latest_checkpoint(out_dir)

@@ -4,6 +4,19 @@ Each step draws one batch (a pure function of seed and step) and takes one optim
 every model on it: AdamW (betas 0.9/0.95, weight decay on matrices only), gradient clipping,
 linear warmup then cosine decay. Checkpoints (models, optimizers, data state) are written
 atomically; ``--resume`` continues bitwise-identically on CPU.
+
+Data parallel: under ``torchrun --nproc_per_node N`` (WORLD_SIZE > 1) every model is wrapped in
+DistributedDataParallel (gloo on CPU, nccl on CUDA, one GPU per LOCAL_RANK). Every rank draws the
+same global batch and takes its own contiguous slice of ``batch_size / N`` sequences; gradients are
+all-reduced so the update equals the single-process one on the global batch. Only rank 0 writes
+metrics, TensorBoard events and checkpoints.
+
+FSDP2 (``--fsdp``) is NOT supported: the models are C++ modules (torch::nn bound with
+torch::python::bind_module) whose parameters live in the C++ module and are read there by the C++
+forward. ``torch.distributed.fsdp.fully_shard`` needs Python-registered parameters that it can
+replace with sharded DTensors (it calls ``named_parameters(remove_duplicate=...)`` on the wrapper
+and fails with a TypeError; even with that patched, the C++ forward would keep using the unsharded
+tensors). ``--fsdp`` therefore raises a clear error instead of silently training unsharded.
 """
 import contextlib
 import json
@@ -16,7 +29,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import config as cfgmod
-from .data import ByteCorpus
+from .data import ByteCorpus, make_corpus
 
 CHECKPOINT_FORMAT = "fox_torch.cli/1"
 # Keys that define the models and the data stream: a resumed run must agree on them.
@@ -25,10 +38,96 @@ STRUCTURAL_KEYS = ("models", "vocab_size", "hidden_size", "num_hidden_layers", "
                    "max_files")
 
 
+FSDP_UNSUPPORTED = (
+    "--fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) cannot shard these models: they are C++ "
+    "modules whose parameters are owned and read by the C++ forward, not Python-registered "
+    "nn.Parameters that fully_shard could replace with sharded DTensors. Use plain data parallel "
+    "(torchrun without --fsdp), gradient accumulation (--micro-batch-size) and bf16 instead.")
+
+
 def resolve_device(cfg) -> torch.device:
     if cfg["device"] == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg["device"])
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(cfg["device"])
+    if dev.type == "cuda" and dev.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return dev
+
+
+class Distributed:
+    """torchrun's environment: rank, world size; initializes the process group when WORLD_SIZE > 1."""
+
+    def __init__(self, device: torch.device):
+        import torch.distributed as dist
+        self.dist = dist
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.owned = False
+        if self.world > 1 and not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            self.owned = True
+        if self.world > 1:
+            self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model, device):
+        if not self.enabled:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            self.dist.all_reduce(t)
+        return t
+
+    def barrier(self):
+        if self.enabled:
+            self.dist.barrier()
+
+    def close(self):
+        if self.owned:
+            self.dist.destroy_process_group()
+
+
+class TensorBoard:
+    """Scalars to <out_dir>/tensorboard through torch.utils.tensorboard; does nothing (silently)
+    when it cannot be imported (the tensorboard package is missing) or is disabled."""
+
+    def __init__(self, out_dir: str, enabled: bool = True, purge_step: Optional[int] = None):
+        self.writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=purge_step)
+        except Exception:
+            self.writer = None
+
+    def record(self, record: Dict, archs):
+        if self.writer is None:
+            return
+        step = record["step"]
+        for a in archs:
+            for k, v in record.get(a, {}).items():
+                self.writer.add_scalar(f"{k}/{a}", v, step)
+        if "tokens_per_s" in record:
+            self.writer.add_scalar("tokens_per_s", record["tokens_per_s"], step)
+        self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
 
 
 def autocast_for(cfg, device: torch.device):
@@ -189,13 +288,28 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
           stop_at: Optional[int] = None) -> Dict:
     """Runs (or resumes) training; returns a summary dict. ``stop_at`` ends the process-like run
     after that many steps without a final checkpoint (to test kill-and-resume)."""
+    if cfg.get("fsdp"):
+        raise SystemExit(FSDP_UNSUPPORTED)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     out_dir = cfg["out_dir"]
-    os.makedirs(checkpoint_dir(out_dir), exist_ok=True)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     device = resolve_device(cfg)
     autocast = autocast_for(cfg, device)
+    ddp = Distributed(device)
+    try:
+        return _train(cfg, resume, corpus, quiet or not ddp.main, stop_at, out_dir, metrics_path,
+                      device, autocast, ddp)
+    finally:
+        ddp.close()
+
+
+def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, autocast, ddp):
+    main = ddp.main
+    existing = latest_checkpoint(out_dir)
+    ddp.barrier()          # every rank has looked before rank 0 may create anything
+    if main:
+        os.makedirs(checkpoint_dir(out_dir), exist_ok=True)
 
     ckpt = None
     if resume:
@@ -203,19 +317,26 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
         if path is None:
             print(f"--resume: no checkpoint in {out_dir}, starting from scratch", file=sys.stderr)
         else:
-            ckpt = load_checkpoint(path)
+            ckpt = load_checkpoint(path, map_location="cpu")
             old = ckpt["config"]
             diff = [k for k in STRUCTURAL_KEYS if old.get(k) != cfg.get(k)]
             if diff:
                 raise SystemExit(f"--resume: the config differs from the checkpoint's in {diff}")
             # Schedule, intervals etc. may change on resume; take the rest from the new config.
-    elif latest_checkpoint(out_dir) is not None:
+    elif existing is not None:
         raise SystemExit(f"{out_dir} already holds a run: pass --resume to continue it, or "
                          f"choose another --out-dir")
 
     t_load = time.perf_counter()
-    corpus = corpus or ByteCorpus(val_fraction=cfg["val_fraction"], max_files=cfg["max_files"])
+    corpus = corpus or make_corpus(cfg)
     t_load = time.perf_counter() - t_load
+    max_id = getattr(corpus, "max_id", None)
+    if max_id is not None and max_id >= cfg["vocab_size"]:
+        if cfg["vocab_size"] != cfgmod.DEFAULTS["vocab_size"]:
+            raise SystemExit(f"vocab_size {cfg['vocab_size']} <= the largest token id {max_id}")
+        cfg = dict(cfg, vocab_size=max(max_id + 1, cfgmod.DEFAULTS["vocab_size"]))
+        if not quiet:
+            print(f"vocab_size set to {cfg['vocab_size']} for the token file", flush=True)
 
     archs = list(cfg["models"])
     models = {a: build_model(cfg, a, i, device) for i, a in enumerate(archs)}
@@ -228,32 +349,43 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
         start_step = ckpt["step"]
         elapsed_before = ckpt.get("train_time", 0.0)
         torch.set_rng_state(ckpt["torch_rng"])
-        _truncate_metrics(metrics_path, start_step)
-    cfgmod.dump(cfg, os.path.join(out_dir, "config.json"))
+        if main:
+            _truncate_metrics(metrics_path, start_step)
+    if main:
+        cfgmod.dump(cfg, os.path.join(out_dir, "config.json"))
 
     info = {"device": str(device), "data": corpus.summary(), "data_load_s": round(t_load, 2),
             "models": {a: {"params": count_parameters(m),
                            "config": cfgmod.describe(cfgmod.model_config(cfg, a))}
                        for a, m in models.items()}}
-    with open(os.path.join(out_dir, "run_info.json"), "w") as fh:
-        json.dump(info, fh, indent=2)
+    info["world_size"] = ddp.world
+    if main:
+        with open(os.path.join(out_dir, "run_info.json"), "w") as fh:
+            json.dump(info, fh, indent=2)
     if not quiet:
         d = info["data"]
         print(f"fox train: preset {cfg['preset']}, device {device}, models {', '.join(archs)}; "
               f"data {d['train_files']} train / {d['val_files']} val files "
               f"({d['train_tokens'] / 1e6:.1f}M / {d['val_tokens'] / 1e6:.1f}M bytes) from "
-              f"{d['root']}; out {out_dir}", flush=True)
+              f"{d['root']}; out {out_dir}" +
+              (f"; data parallel over {ddp.world} processes" if ddp.enabled else ""), flush=True)
         for a, m in models.items():
             p = info["models"][a]["params"]
             print(f"  {a}: {p['total'] / 1e6:.2f}M parameters ({p['non_embedding'] / 1e6:.2f}M "
                   f"non-embedding)", flush=True)
 
     B, T, steps = cfg["batch_size"], cfg["seq_len"], cfg["steps"]
-    mb = cfg["micro_batch_size"] or B
-    if B % mb:
-        raise SystemExit(f"batch_size {B} is not a multiple of micro_batch_size {mb}")
+    if B % ddp.world:
+        raise SystemExit(f"batch_size {B} is not a multiple of the world size {ddp.world}")
+    local_B = B // ddp.world                      # this rank's slice of every global batch
+    lo = ddp.rank * local_B
+    mb = min(cfg["micro_batch_size"] or local_B, local_B)
+    if local_B % mb:
+        raise SystemExit(f"batch_size per process {local_B} is not a multiple of "
+                         f"micro_batch_size {mb}")
     for m in models.values():
         m.train()
+    wrapped = {a: ddp.wrap(m, device) for a, m in models.items()}
 
     def save(step: int, train_time: float):
         state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg,
@@ -269,7 +401,8 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
         atomic_save(state, os.path.join(cdir, "last.pt"))
 
     progress = Progress(steps, start_step, quiet)
-    metrics = open(metrics_path, "a")
+    metrics = open(metrics_path, "a") if main else open(os.devnull, "w")
+    tb = TensorBoard(out_dir, bool(cfg.get("tensorboard", True)) and main, purge_step=start_step + 1)
     t0 = time.perf_counter()
     tokens_this_run = 0
     last = {}
@@ -277,7 +410,8 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
     try:
         while step < steps:
             ids, labels = corpus.train_batch(cfg["seed"], step, B, T)
-            n_valid = int((labels != -100).sum())
+            n_valid = int((labels != -100).sum())           # over the global batch
+            ids, labels = ids[lo:lo + local_B], labels[lo:lo + local_B]
             record = {"step": step + 1, "tokens": (step + 1) * B * T}
             for a in archs:
                 model, opt = models[a], opts[a]
@@ -285,14 +419,19 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for i in range(0, B, mb):
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                for i in range(0, local_B, mb):
                     x, y = ids[i:i + mb].to(device), labels[i:i + mb].to(device)
-                    with autocast():
-                        per_token = model(x, labels=y)
-                    loss = per_token.float().sum() / n_valid
-                    loss.backward()
-                    loss_sum += loss.item()
+                    sync = (not ddp.enabled or i + mb >= local_B or
+                            not hasattr(wrapped[a], "no_sync"))
+                    with (contextlib.nullcontext() if sync else wrapped[a].no_sync()):
+                        with autocast():
+                            per_token = wrapped[a](x, labels=y)
+                        loss = per_token.float().sum() / n_valid
+                        # DDP averages gradients over ranks: scale so that they are the sum.
+                        (loss * ddp.world if ddp.enabled else loss).backward()
+                    loss_sum += loss.detach().double().cpu()
+                loss_sum = float(ddp.sum_(loss_sum))
                 gnorm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
                 opt.step()
                 last[a] = loss_sum
@@ -307,23 +446,27 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
             if log:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                tb.record(record, archs)
             text = " ".join(f"{a} {last[a]:.3f}" for a in archs)
             progress.update(step, f"loss {text} | {tps:,.0f} tok/s | ETA {_fmt_time(eta)}", log)
-            if cfg["eval_interval"] and (step % cfg["eval_interval"] == 0 or step == steps):
+            if main and cfg["eval_interval"] and (step % cfg["eval_interval"] == 0 or step == steps):
                 ev = {"step": step, "eval": True}
                 for a in archs:
                     ev[a] = {"val_loss": round(validation_loss(models[a], corpus, cfg, device,
                                                                autocast, cfg["eval_batches"] * B), 5)}
                 metrics.write(json.dumps(ev) + "\n")
                 metrics.flush()
+                tb.record(ev, archs)
                 progress.write(f"step {step}: val loss " +
                                " ".join(f"{a} {ev[a]['val_loss']:.4f}" for a in archs))
             if stop_at is not None and step >= stop_at:
                 return {"stopped_at": step}
-            if step % cfg["checkpoint_interval"] == 0 or step == steps:
+            if main and (step % cfg["checkpoint_interval"] == 0 or step == steps):
                 save(step, elapsed_before + time.perf_counter() - t0)
+        ddp.barrier()       # the final checkpoint is on disk before any rank returns
     finally:
         metrics.close()
+        tb.close()
         progress.close()
     total_time = time.perf_counter() - t0
     summary = {"out_dir": out_dir, "steps": steps, "resumed_from": start_step,

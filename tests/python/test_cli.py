@@ -287,3 +287,184 @@ def test_python_m_dispatch():
                         "--batch", "1", "--heads", "2", "--head-dim", "16"],
                        capture_output=True, text=True, env=env, check=True)
     assert "max |error|" in r.stdout
+
+
+# ---- other data: --data-dir, --tokens ----------------------------------------------------------------
+
+def test_data_dir_and_token_files(tmp_path):
+    import numpy as np
+    make_tree(tmp_path / "texts")
+    cfg = micro_cfg(tmp_path / "r1", data_dir=str(tmp_path / "texts"), max_files=None)
+    corpus = data.make_corpus(cfg)
+    names = corpus.train.names + corpus.val.names
+    assert "pkg0/notes.txt" in names and len(names) == 31            # every file, not only *.py
+    assert not set(corpus.train.names) & set(corpus.val.names) and corpus.val.names
+    assert not any("site-packages" in n or "__pycache__" in n for n in names)
+    train(dict(cfg, steps=2, eval_interval=0), quiet=True)
+    assert state(tmp_path / "r1" / "checkpoints" / "last.pt")["config"]["data_dir"] == cfg["data_dir"]
+
+    ids = np.random.default_rng(0).integers(0, 1000, size=30000)
+    np.save(tmp_path / "ids.npy", ids.astype(np.int64))
+    ids.astype("<u2").tofile(tmp_path / "ids.bin")
+    a = data.make_corpus(dict(cfg, data_dir=None, tokens=str(tmp_path / "ids.npy")))
+    b = data.make_corpus(dict(cfg, data_dir=None, tokens=str(tmp_path / "ids.bin"),
+                              token_dtype="uint16"))
+    assert a.max_id == b.max_id == int(ids.max()) and a.train.names == b.train.names
+    assert a.val.names and not set(a.train.names) & set(a.val.names)
+    assert a.train.num_tokens + a.val.num_tokens == 30000
+    assert torch.equal(a.train.tokens, b.train.tokens)
+    x, y = a.train_batch(0, 0, 3, 64)
+    assert x.shape == (3, 64) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 1000
+    with pytest.raises(SystemExit, match="token-dtype"):
+        data.make_corpus(dict(cfg, data_dir=None, tokens=str(tmp_path / "ids.bin")))
+    out = tmp_path / "r2"
+    assert cli.main(["train", *MICRO, "--steps", "2", "--eval-interval", "0", "--tokens",
+                     str(tmp_path / "ids.npy"), "--out-dir", str(out)]) == 0
+    ck = state(out / "checkpoints" / "last.pt")
+    assert ck["config"]["vocab_size"] == int(ids.max()) + 1                 # widened to the ids
+    from forgetting_transformer.cli.evaluate import evaluate
+    res = evaluate([str(out)], out_dir=str(tmp_path / "ev"), num=2, lengths="32", quiet=True)
+    assert res["curves"][0]["loss_by_length"]["32"] > 0
+
+
+# ---- synthetic tasks: needle in a haystack, MQAR ----------------------------------------------------
+
+class _Oracle(torch.nn.Module):
+    """Logits that answer the needle and MQAR tasks perfectly, by reading the input."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task = task
+
+    def forward(self, x):
+        import re
+        logits = torch.zeros(*x.shape, data.VOCAB_SIZE)
+        for b, row in enumerate(x.tolist()):
+            if self.task == "mqar":
+                seen = {}
+                for t in range(1, len(row)):
+                    if t % 2 == 1 and t + 1 < len(row) and row[t] not in seen:
+                        seen[row[t]] = row[t + 1]
+                    elif t % 2 == 1 and row[t] in seen:
+                        logits[b, t, seen[row[t]]] = 1
+                continue
+            text = bytes(v for v in row[1:]).decode()
+            key, value = re.search(r"The secret number of (\w+) is (\d+)\.", text).groups()
+            p = text.rfind(f"The secret number of {key} is ") + len(f"The secret number of {key} is ")
+            for j, ch in enumerate(value):
+                logits[b, p + j, ord(ch)] = 1           # position p+j (BOS offset) predicts value[j]
+        return logits
+
+
+def test_needle_and_mqar_generators(tmp_path):
+    from forgetting_transformer.cli import tasks
+    import numpy as np
+    corpus = data.ByteCorpus(val_fraction=0.05, max_files=40)
+    hay = tasks.haystack_text(corpus)
+    rng = np.random.default_rng(0)
+    for depth in (0.0, 0.5, 1.0):
+        ids, labels, value = tasks.needle_sample(hay, 256, depth, rng)
+        assert ids.shape == labels.shape == (256 + len(value) - 1,) and ids[0] == data.BOS
+        ans = labels[labels != -100]
+        assert data.decode(ans.tolist()) == value and int((labels != -100).sum()) == len(value)
+        text = data.decode(ids.tolist())
+        at = text.index(" The secret number of")
+        key = text[at:].split()[4]
+        n_hay = 255 - len(tasks.NEEDLE.format(key=key, value=value)) - \
+            len(tasks.QUESTION.format(key=key))
+        assert at == round(depth * n_hay)                                  # needle at the depth
+        assert text.endswith(" is " + value[:-1])
+    with pytest.raises(ValueError, match="too short"):
+        tasks.needle_sample(hay, 60, 0.5, rng)
+    models = {"oracle": _Oracle("needle"), "blank": torch.nn.Module()}
+    models["blank"].forward = lambda x: torch.zeros(*x.shape, data.VOCAB_SIZE)
+    grid = tasks.needle_grid(models, corpus, [128, 200], [0, 0.5, 1], num=3)
+    assert grid["models"]["oracle"]["exact_match"] == [[1.0] * 3] * 2
+    assert grid["models"]["blank"]["exact_match"] == [[0.0] * 3] * 2
+    if plots.pyplot() is not None:
+        assert os.path.getsize(plots.plot_needle(grid, str(tmp_path / "n.png"))) > 1000
+
+    ids, labels = tasks.mqar_batch(4, 8, seed=1)
+    assert ids.shape == (4, 32) and int((labels != -100).sum()) == 4 * 8
+    row, lab = ids[0].tolist(), labels[0].tolist()
+    pairs = dict(zip(row[1:17:2], row[2:17:2]))
+    assert len(pairs) == 8 and all(lab[t] == pairs[row[t]] for t in range(17, 32, 2))
+    assert torch.equal(tasks.mqar_batch(4, 8, seed=1)[0], ids)            # deterministic
+    res = tasks.mqar_eval({"oracle": _Oracle("mqar")}, [2, 8], num=3)
+    assert all(v["accuracy"] == 1.0 and v["exact_match"] == 1.0
+               for v in res["models"]["oracle"].values())
+
+
+def test_eval_needle_and_mqar_cli(micro_run, tmp_path):
+    out = tmp_path / "tasks"
+    assert cli.main(["eval", str(micro_run), "--needle", "--mqar", "--lengths", "128,192",
+                     "--depths", "0,0.5,1", "--pairs", "2,4", "--num", "2",
+                     "--out-dir", str(out)]) == 0
+    grid = json.load(open(out / "needle.json"))
+    assert grid["lengths"] == [128, 192] and grid["depths"] == [0.0, 0.5, 1.0]
+    for arch in ("fox_pro", "transformer_pro"):
+        em = grid["models"][arch]["exact_match"]
+        assert len(em) == 2 and all(len(r) == 3 and all(0 <= v <= 1 for v in r) for r in em)
+    mq = json.load(open(out / "mqar.json"))
+    assert set(mq["models"]["fox_pro"]) == {"2", "4"}
+    if plots.pyplot() is not None:
+        assert os.path.getsize(out / "needle.png") > 1000
+
+
+# ---- data parallel, FSDP, TensorBoard -----------------------------------------------------------------
+
+def _losses(run):
+    rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    return [(r["step"], r["fox_pro"]["loss"], r["transformer_pro"]["loss"]) for r in rows
+            if not r.get("eval")]
+
+
+def test_torchrun_ddp_matches_single_process(tmp_path):
+    """2 CPU processes (gloo) on the same global batch as 1 process: the same losses."""
+    flags = [*MICRO, "--steps", "6", "--batch-size", "4", "--micro-batch-size", "1",
+             "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "3"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(port),
+                        "-m", "forgetting_transformer", "train", *flags,
+                        "--out-dir", str(tmp_path / "ddp")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 2 processes" in r.stdout
+    assert cli.main(["train", *flags, "--out-dir", str(tmp_path / "one")]) == 0
+    ddp, one = _losses(tmp_path / "ddp"), _losses(tmp_path / "one")
+    assert [s for s, _, _ in ddp] == list(range(1, 7))                 # rank 0 alone wrote them
+    for a, b in zip(ddp, one):
+        assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=2e-4) and \
+            a[2] == pytest.approx(b[2], abs=2e-4)
+    ca, cb = state(tmp_path / "ddp" / "checkpoints" / "last.pt"), \
+        state(tmp_path / "one" / "checkpoints" / "last.pt")
+    assert ca["step"] == cb["step"] == 6
+    for arch in ca["models"]:
+        for k, v in ca["models"][arch]["state_dict"].items():
+            assert torch.allclose(v, cb["models"][arch]["state_dict"][k], atol=1e-4), k
+    assert json.load(open(tmp_path / "ddp" / "run_info.json"))["world_size"] == 2
+
+
+def test_fsdp_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="FSDP2.*C\\+\\+ modules"):
+        cli.main(["train", *MICRO, "--fsdp", "--out-dir", str(tmp_path / "f")])
+    assert not (tmp_path / "f").exists()
+
+
+def test_tensorboard_events(tmp_path, monkeypatch):
+    pytest.importorskip("torch.utils.tensorboard")
+    out = tmp_path / "tb"
+    assert cli.main(["train", *MICRO, "--steps", "3", "--log-interval", "1", "--out-dir", str(out)]) == 0
+    events = [f for f in os.listdir(out / "tensorboard") if f.startswith("events.out.tfevents")]
+    assert events and os.path.getsize(out / "tensorboard" / events[0]) > 100
+    # without tensorboard: nothing written, no error
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    out2 = tmp_path / "tb2"
+    assert cli.main(["train", *MICRO, "--steps", "2", "--out-dir", str(out2)]) == 0
+    assert not (out2 / "tensorboard").exists()
