@@ -11,7 +11,7 @@ import os as _os
 import torch as _torch  # noqa: F401  (loads LibTorch before our libraries)
 
 from . import _C  # noqa: F401  (loads libfox_torch: registers torch.ops.fox.*)
-from .ops import forgetting_attention
+from .ops import forgetting_attention, pruning_threshold
 
 __version__ = "0.1.0"
 
@@ -24,4 +24,4 @@ def built_with_cuda() -> bool:
     return _C.built_with_cuda()
 
 
-__all__ = ["forgetting_attention", "built_with_cuda", "cmake_prefix_path", "__version__"]
+__all__ = ["forgetting_attention", "pruning_threshold", "built_with_cuda", "cmake_prefix_path", "__version__"]

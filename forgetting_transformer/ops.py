@@ -1,5 +1,6 @@
 """Python face of the fox ops: the user-facing wrapper and the fake (meta) kernels that let
 torch.compile and opcheck trace the C++ ops."""
+import math
 from typing import Optional
 
 import torch
@@ -55,6 +56,25 @@ def forgetting_attention(
         q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold
     )
     return out.transpose(1, 2) if head_first else out
+
+
+def pruning_threshold(q: torch.Tensor, k: torch.Tensor, tolerance: float, *,
+                      sm_scale: Optional[float] = None, head_first: bool = False) -> float:
+    """The tolerance form of adaptive computation pruning (Lin et al. 2025): the
+    ``adaptive_threshold`` that loses at most ``tolerance`` of each row's attention mass.
+
+    With U = max|q|·max|k|·sm_scale (norms over the head dimension) every score lies in [-U, U];
+    skipping the keys whose gate bias is below log(tolerance) - 2U - log(seqlen_k) then drops at
+    most ``tolerance`` of the softmax mass of every query (the diagonal keeps the denominator
+    >= e^-U). Pass the result as ``adaptive_threshold``.
+    """
+    if not 0.0 < tolerance < 1.0:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
+    head_dim = q.shape[-1]
+    seqlen_k = k.shape[2] if head_first else k.shape[1]
+    scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+    bound = (q.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()).item() * scale
+    return math.log(tolerance) - 2.0 * bound - math.log(max(seqlen_k, 1))
 
 
 # ---- fake kernels: shapes and dtypes only -------------------------------------------------------

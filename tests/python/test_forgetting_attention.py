@@ -649,3 +649,23 @@ def test_head_first_bad_rank(device):
     with pytest.raises(RuntimeError, match="log_fgate"):
         forgetting_transformer.forgetting_attention(
             a["q"], a["k"], a["v"], a["log_fgate"][..., None], head_first=True)
+
+
+def test_pruning_threshold_tolerance_form(device):
+    """pruning_threshold(q, k, eps) gives a threshold whose pruned output stays within
+    2 * eps * max|v| of the exact one (at most eps of each row's mass is dropped)."""
+    torch.manual_seed(0)
+    B, T, H, D = 1, 700, 2, 32
+    q, k, v = (torch.randn(B, T, H, D, device=device) * 0.3 for _ in range(3))
+    # a slow gate and a loose tolerance, so that the skipped keys (bias about -11 to -14) still
+    # carry mass that shows in float32 while the early key tiles get pruned
+    log_fgate = torch.full((B, T, H), -0.03, device=device)
+    eps = 0.1
+    threshold = forgetting_transformer.pruning_threshold(q, k, eps)
+    assert threshold < math.log(eps)
+    exact = forgetting_transformer.forgetting_attention(q, k, v, log_fgate)
+    pruned = forgetting_transformer.forgetting_attention(q, k, v, log_fgate, adaptive_threshold=threshold)
+    assert not torch.equal(pruned, exact)  # tiles were really skipped
+    assert (pruned - exact).abs().max().item() <= 2 * eps * v.abs().max().item()
+    with pytest.raises(ValueError, match="tolerance"):
+        forgetting_transformer.pruning_threshold(q, k, 0.0)
