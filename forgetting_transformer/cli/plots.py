@@ -46,6 +46,16 @@ def _style(curve, idx_by_ckpt):
                                      % len(LINESTYLES)])
 
 
+def _finish(plt, fig, ax, path: str) -> str:
+    """The common end of the line plots: grid, legend, layout, write, close."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def plot_per_token(curves: List[Dict], path: str, window: Optional[int] = None) -> Optional[str]:
     """L(i) by token position i, one line per (checkpoint, model); dashed line at training length."""
     plt = pyplot()
@@ -64,12 +74,7 @@ def plot_per_token(curves: List[Dict], path: str, window: Optional[int] = None) 
     ax.set_xlabel("token position i")
     ax.set_ylabel("per-token loss L(i) (nats)")
     ax.set_title("Per-token validation loss by position (moving average)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path)
 
 
 def plot_by_length(curves: List[Dict], path: str) -> Optional[str]:
@@ -88,12 +93,7 @@ def plot_by_length(curves: List[Dict], path: str) -> Optional[str]:
     ax.set_xlabel("evaluation context length l (tokens)")
     ax.set_ylabel("mean loss over the l tokens (nats)")
     ax.set_title("Validation loss by context length (dashed: training length)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path)
 
 
 def read_metrics(path: str):
@@ -124,12 +124,7 @@ def plot_training(metrics_path: str, archs: Sequence[str], path: str) -> Optiona
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title("Training")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path)
 
 
 def plot_needle(grid: Dict, path: str) -> Optional[str]:

@@ -95,6 +95,32 @@ inline float key_biases(const HeadView<T>& hv, int64_t anchor, int64_t j0, int64
   return static_cast<float>(-Rk[j1 - 1 - j0]);
 }
 
+// One task of the passes over query tiles (forward and dQ): its sequence, head and rows, and the
+// gate sums Rq of its queries relative to the anchor, the position of its first query.
+template <typename T>
+struct QueryTile {
+  SequenceView s;
+  int64_t h, i0, nq, anchor, last_pos;
+  HeadView<T> hv;
+};
+
+// Fills tile and Rq for task (sequence, head, query tile); false when the tile is past the end of
+// a shorter (packed) sequence.
+template <typename T>
+inline bool query_tile(const ForwardParams& p, int64_t task, int64_t max_q_tiles,
+                       QueryTile<T>& t, Bias* Rq) {
+  t.h = (task / max_q_tiles) % p.num_heads;
+  t.s = p.sequence(task / (max_q_tiles * p.num_heads));
+  t.i0 = (task % max_q_tiles) * kBlockQ;
+  if (t.i0 >= t.s.len_q) return false;
+  t.nq = std::min(kBlockQ, t.s.len_q - t.i0);
+  t.hv = head_view<T>(p, t.s, t.h);
+  t.anchor = t.s.query_position(t.i0);
+  t.last_pos = t.anchor + t.nq - 1;
+  relative_cumsum(t.hv.g, t.hv.g_stride, t.anchor, t.anchor, t.last_pos + 1, Rq);
+  return true;
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward: one task per (sequence, head, query tile). Key tiles are visited from the diagonal
 // backwards so that R of the keys extends the walk from the anchor, and pruning is a `break`.
@@ -109,16 +135,9 @@ void forward_kernel(const ForwardParams& p) {
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * D), row_max(kBlockQ), row_sum(kBlockQ);
     std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task % max_q_tiles;
-      const int64_t h = (task / max_q_tiles) % H;
-      const SequenceView s = p.sequence(task / (max_q_tiles * H));
-      const int64_t i0 = tile * kBlockQ;
-      if (i0 >= s.len_q) continue;
-      const int64_t nq = std::min(kBlockQ, s.len_q - i0);
-      const HeadView<T> hv = head_view<T>(p, s, h);
-      const int64_t anchor = s.query_position(i0);
-      const int64_t last_pos = anchor + nq - 1;
-      relative_cumsum(hv.g, hv.g_stride, anchor, anchor, last_pos + 1, Rq.data());
+      QueryTile<T> tile;
+      if (!query_tile(p, task, max_q_tiles, tile, Rq.data())) continue;
+      const auto& [s, h, i0, nq, anchor, last_pos, hv] = tile;
 
       std::fill(acc.begin(), acc.begin() + nq * D, Acc(0));
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<Acc>::infinity());
@@ -240,16 +259,9 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
     std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
     std::vector<Acc> delta(kBlockQ), rowsum(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task % max_q_tiles;
-      const int64_t h = (task / max_q_tiles) % H;
-      const SequenceView s = p.sequence(task / (max_q_tiles * H));
-      const int64_t i0 = tile * kBlockQ;
-      if (i0 >= s.len_q) continue;
-      const int64_t nq = std::min(kBlockQ, s.len_q - i0);
-      const HeadView<T> hv = head_view<T>(p, s, h);
-      const int64_t anchor = s.query_position(i0);
-      const int64_t last_pos = anchor + nq - 1;
-      relative_cumsum(hv.g, hv.g_stride, anchor, anchor, last_pos + 1, Rq.data());
+      QueryTile<T> tile;
+      if (!query_tile(p, task, max_q_tiles, tile, Rq.data())) continue;
+      const auto& [s, h, i0, nq, anchor, last_pos, hv] = tile;
       const T* lse = static_cast<const T*>(p.lse) + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0;
       const T* delta_h = delta_buf + (s.batch_index * H + h) * p.seqlen_q + s.row_q + i0;
       for (int64_t r = 0; r < nq; ++r) delta[r] = delta_h[r];
