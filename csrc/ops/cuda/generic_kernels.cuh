@@ -96,6 +96,30 @@ struct GenericSmem {
 // Grid: one block per (sequence, head, query tile), or with kSplit per (sequence, head, key chunk)
 // for a single query tile. Without split, writes out (T) and lse (natural log); with split, the
 // unnormalised-by-nothing partial out (fp32, already divided by its own sum) and log2-domain lse.
+// acc[k][m] += sum_c rows(r, c) * tile(c, d) for the rows r = warp + kWarps * k of this warp and
+// the columns d = lane + 32 * m: the P.V (forward) and dS.K (dQ) products of the generic kernels.
+// rows is (kTile, kTile + 1) in shared memory, tile is (kTile, tile_ld).
+__device__ __forceinline__ void accumulate_rows_times_tile(float (&acc)[kRowsPerWarp][kMaxDimChunks],
+                                                           const float* rows, const float* tile,
+                                                           int tile_ld, int nq, int D, int warp,
+                                                           int lane) {
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int r = warp + kWarps * k;
+    if (r >= nq) continue;
+    const float* row = rows + r * (kTile + 1);
+#pragma unroll
+    for (int m = 0; m < kMaxDimChunks; ++m) {
+      const int d = lane + 32 * m;
+      if (d < D) {
+        float sum = acc[k][m];
+        for (int c = 0; c < kTile; ++c) sum += row[c] * tile[c * tile_ld + d];
+        acc[k][m] = sum;
+      }
+    }
+  }
+}
+
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(const ForwardParams p, const SplitKVParams split, int64_t num_tiles) {
@@ -208,21 +232,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int m = 0; m < kMaxDimChunks; ++m) o[k][m] *= correction;
     }
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < kRowsPerWarp; ++k) {
-      const int r = warp + kWarps * k;
-      if (r >= nq) continue;
-      const float* prow = Ps + r * (kTile + 1);
-#pragma unroll
-      for (int m = 0; m < kMaxDimChunks; ++m) {
-        const int d = lane + 32 * m;
-        if (d < D) {
-          float sum = o[k][m];
-          for (int c = 0; c < kTile; ++c) sum += prow[c] * Vs[c * D + d];
-          o[k][m] = sum;
-        }
-      }
-    }
+    accumulate_rows_times_tile(o, Ps, Vs, D, nq, D, warp, lane);
     __syncwarp();
   }
 
@@ -597,21 +607,7 @@ __global__ void __launch_bounds__(kThreads)
       ds_rowsum[k] += warp_sum(ds);
     }
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < kRowsPerWarp; ++k) {
-      const int r = warp + kWarps * k;
-      if (r >= nq) continue;
-      const float* ds_row = dSs + r * (kTile + 1);
-#pragma unroll
-      for (int m = 0; m < kMaxDimChunks; ++m) {
-        const int d = lane + 32 * m;
-        if (d < D) {
-          float sum = dq[k][m];
-          for (int c = 0; c < kTile; ++c) sum += ds_row[c] * Ks[c * ld + d];
-          dq[k][m] = sum;
-        }
-      }
-    }
+    accumulate_rows_times_tile(dq, dSs, Ks, ld, nq, D, warp, lane);
     __syncwarp();
   }
 
