@@ -37,6 +37,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_INSTALL_LIBDIR=lib",
             "-DFOX_PYTHON_INSTALL_DIR=.",
             f"-DFOX_BUILD_TESTS={'OFF' if os.environ.get('FOX_BUILD_TESTS') == '0' else 'ON'}",
+            f"-DFOX_ENABLE_CUDA={'OFF' if os.environ.get('FOX_ENABLE_CUDA') == '0' else 'ON'}",
             f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0a')}",
         ]
         cuda_home = os.environ.get("CUDA_HOME")
