@@ -2,7 +2,9 @@
 // the shared checks of forgetting_attention.cpp), allocates outputs and workspaces, fills the POD
 // params and picks a kernel: split-KV decoding, the tensor-core forward (head dim 64/128,
 // fp16/bf16) or the generic kernels (any head dim, fp16/bf16/fp32).
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -50,6 +52,16 @@ bool rows_are_16_byte_aligned(const at::Tensor& x) {
   const int64_t elems = 16 / x.element_size();
   return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % elems == 0 &&
          x.stride(1) % elems == 0 && x.stride(2) % elems == 0;
+}
+
+// FOX_DISABLE_HOPPER_KERNELS=1 runs the portable (sm_80) kernels on a Hopper GPU too: for
+// side-by-side benchmarks and for bisecting.
+bool hopper_kernels_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FOX_DISABLE_HOPPER_KERNELS");
+    return v == nullptr || std::string(v) == "0" || std::string(v).empty();
+  }();
+  return enabled;
 }
 
 // Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.
@@ -132,8 +144,16 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   if (tensor_cores) {
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
-        FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim,
-                                 [&] { run_fast_forward<T, kHeadDim>(p, max_len_q, stream); });
+        FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
+          bool done = false;
+          if (hopper_kernels_enabled()) {
+            auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, q.options().dtype(at::kFloat));
+            const int64_t max_len_k = idx.cu_seqlens.has_value() ? max_len_q : p.seqlen_k;
+            done = run_hopper_forward<T, kHeadDim>(p, suffix.data_ptr<float>(), max_len_q, max_len_k,
+                                                   stream);
+          }
+          if (!done) run_fast_forward<T, kHeadDim>(p, max_len_q, stream);
+        });
       }
     });
   } else {

@@ -48,6 +48,13 @@ template <typename T, int kHeadDim>
 void run_fast_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,
                                cudaStream_t stream);
 
+// Hopper forward (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16. Returns false (and launches
+// nothing) where the device is not a Hopper GPU or the build has no sm_90a code. `gate_suffix` is
+// a float32 workspace laid out like the keys' gates, (batch, num_heads, seqlen_k).
+template <typename T, int kHeadDim>
+bool run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+                        int64_t max_len_k, cudaStream_t stream);
+
 // Tensor-core backward for head_dim 64 and 128, fp16/bf16.
 template <typename T, int kHeadDim>
 void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,

@@ -62,6 +62,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)),
                "l"(global), "r"(valid ? 16 : 0));
 }
+// 4-byte variant (through L1: neighbouring blocks read the same values).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* global, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem)),
+               "l"(global), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

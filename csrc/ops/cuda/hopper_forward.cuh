@@ -1,0 +1,407 @@
+// Hopper (sm_90a) forward of Forgetting Attention for head dim 64 / 128 in fp16 / bf16: warpgroup
+// MMA (wgmma) with operands in shared memory, so the tensor cores no longer wait on ldmatrix.
+//
+// A block of two warpgroups owns 128 queries of one (sequence, head); each warpgroup owns 64 rows
+// and keeps S and O in registers (wgmma accumulators). Key tiles of 128 keys are walked from the
+// diagonal downwards, double-buffered in shared memory by cp.async in the 128-byte-swizzled layout
+// that wgmma reads directly: S = Q K^T with both operands in shared memory (K-major), O += P V with
+// P from registers and V read transposed (MN-major).
+//
+// Gate bias without a serial walk: a pre-pass writes, per 128-key tile t, the tile-local suffix
+// sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms). Relative to the first query
+// a of the block, R_j = C_t - T_t[j] for every key and query position j of tile t, with
+// C_{t_a} = T_{t_a}[a] and C_{t-1} = C_t - T_t[t*128] (C_{t+1} = C_t + T_{t+1}[(t+1)*128]): one
+// load and one subtraction per key, errors growing with the distance from a, never with the
+// absolute position (design.md section 1).
+#pragma once
+
+#include <type_traits>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace fox::cuda::hopper {
+
+namespace gmma = cute::SM90::GMMA;
+
+constexpr int kWarpGroups = 2;
+constexpr int kThreads = 128 * kWarpGroups;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlockM = 64 * kWarpGroups;  // queries per block
+constexpr int kBlockN = 128;               // keys per tile
+
+// The wgmma instructions used: S (64 x 128 keys, both operands in shared memory) and O += P V
+// (64 x head dim, P in registers, V transposed).
+template <typename T, int N>
+struct Gmma;
+template <>
+struct Gmma<__nv_bfloat16, 64> {
+  using SS = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  using RS = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+template <>
+struct Gmma<__nv_bfloat16, 128> {
+  using SS = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  using RS = gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+template <>
+struct Gmma<__half, 64> {
+  using SS = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+  using RS = gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+template <>
+struct Gmma<__half, 128> {
+  using SS = gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+  using RS = gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+
+// Accumulator arrays are passed element by element (the instruction names every register).
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N],
+                                        gmma::ScaleOut scale, std::index_sequence<I...>) {
+  Op::fma(a, b, d[I]..., scale);
+}
+template <class Op, int N>
+__device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N], bool accumulate) {
+  gmma_ss<Op>(a, b, d, accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero,
+              std::make_index_sequence<N>{});
+}
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N],
+                                        std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
+}
+template <class Op, int N>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N]) {
+  gmma_rs<Op>(a, b, d, std::make_index_sequence<N>{});
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// Shared-memory tiles: rows of 64 elements (128 bytes) per 64-column block, blocks one after the
+// other ([column block][row][64]); the 16-byte chunk c of row r sits at chunk c ^ (r % 8), the
+// hardware's 128-byte swizzle (tiles start 1024-byte aligned).
+__device__ __forceinline__ int sw128_offset(int row, int chunk, int rows) {
+  return (chunk >> 3) * rows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+// wgmma shared-memory descriptor for a 128-byte-swizzled operand: start address, leading and
+// stride byte offsets (all in 16-byte units), layout type 1 = 128-byte swizzle.
+__device__ __forceinline__ uint64_t sw128_descriptor(const void* p, uint32_t leading_bytes,
+                                                     uint32_t stride_bytes) {
+  const uint32_t address = smem_address(p);
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>(leading_bytes >> 4) << 16 |
+         static_cast<uint64_t>(stride_bytes >> 4) << 32 | uint64_t{1} << 62;
+}
+
+// Rows [0, rows) of a kRows x kHeadDim tile into shared memory (zeros in the other rows).
+template <typename T, int kRows, int kHeadDim>
+__device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int rows) {
+  constexpr int kChunks = kHeadDim / 8;
+  static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int i = 0; i < kRows * kChunks / kThreads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool valid = row < rows;
+    cp_async_16(smem + sw128_offset(row, chunk, kRows), src + (valid ? row : 0) * ld + chunk * 8,
+                valid);
+  }
+}
+
+// Writes by the threads (cp.async lands through the generic proxy) become visible to wgmma.
+__device__ __forceinline__ void fence_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// T_t[j] for every key j of every (sequence, head): one block of kBlockN threads per key tile.
+// `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. (A template: one copy per
+// instantiation file is fine.)
+template <int kKeys>
+__global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams p, float* suffix,
+                                                            int64_t num_tiles) {
+  __shared__ float warp_totals[kKeys / 32];
+  const int64_t b = blockIdx.x;
+  const int64_t t = b % num_tiles;
+  const int64_t h = (b / num_tiles) % p.num_heads;
+  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
+  const int64_t j0 = t * kKeys;
+  if (j0 >= s.len_k) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t j = j0 + threadIdx.x;
+  const float* g = static_cast<const float*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
+                   s.row_k * p.g_row_stride + h * p.g_head_stride;
+  const float term = j + 1 < s.len_k ? g[(j + 1) * p.g_row_stride] : 0.f;
+  float x = warp_inclusive_suffix_scan(term, lane);
+  if (lane == 0) warp_totals[warp] = x;
+  __syncthreads();
+#pragma unroll
+  for (int w = 1; w < kKeys / 32; ++w)
+    if (w > warp) x += warp_totals[w];
+  if (j < s.len_k) suffix[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j] = x;
+}
+
+template <int kHeadDim>
+struct ForwardSmem {
+  static constexpr int kQ = kBlockM * kHeadDim;     // elements
+  static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
+  static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
+  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * 2 * kBlockN;  // + 2 stages of T
+  static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
+};
+
+template <int kHeadDim>
+constexpr int kMinBlocks = 1;  // two blocks of head dim 64 would cap registers at 128: spills
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
+    forward_kernel(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Smem = ForwardSmem<kHeadDim>;
+  using GmmaS = typename Gmma<T, kBlockN>::SS;
+  using GmmaPV = typename Gmma<T, kHeadDim>::RS;
+  using Mma = MmaTraits<T>;
+  constexpr int kKeyChunks = kBlockN / 8;   // 8-column chunks of S
+  constexpr int kDimChunks = kHeadDim / 8;  // 8-column chunks of O
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* Qs = reinterpret_cast<T*>(base);
+  T* KV = Qs + Smem::kQ;  // stage s: K at KV + 2s * tile, V at KV + (2s + 1) * tile
+  float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);  // stage s: T of its keys
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int group = lane >> 2, quad = lane & 3;
+  const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first query row in the block
+
+  // Largest tiles first: tile index reversed so the causal tail is short.
+  const int64_t b = blockIdx.x;
+  const int64_t tile = num_tiles - 1 - b % num_tiles;
+  const int64_t h = (b / num_tiles) % p.num_heads;
+  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
+  const int64_t i0 = tile * kBlockM;
+  if (i0 >= s.len_q) return;
+  const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
+  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const HeadPointers<T> hp = head_pointers<T>(p, s, h);
+  const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const int64_t kt_hi = L / kBlockN, kt_lo = s.first_key / kBlockN;
+  // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
+  auto load_suffix = [&](float* dst, int64_t j0) {
+    if (threadIdx.x < kBlockN) {
+      const int64_t j = j0 + threadIdx.x;
+      cp_async_4(dst + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+    }
+  };
+
+  load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
+  if (kt_hi >= kt_lo) {
+    const int64_t j0 = kt_hi * kBlockN;
+    const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
+    load_tile<T, kBlockN, kHeadDim>(KV, hp.k + j0 * hp.k_row, hp.k_row, nk);
+    load_tile<T, kBlockN, kHeadDim>(KV + Smem::kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    load_suffix(Ts, j0);
+  }
+  cp_async_commit();
+
+  // C of the tile of a and of the tile above it (the block's queries span at most these two).
+  const int64_t ta = a / kBlockN;
+  const float c_a = T_[a];
+  const float c_above = ta + 1 < (s.len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f;
+  auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
+  float rq[2];  // R of this thread's two query rows, log2 domain
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int64_t pos = min64(a + row_of(hi), L);
+    rq[hi] = ((pos / kBlockN == ta ? c_a : c_above) - T_[pos]) * kLog2e;
+  }
+  float carry = kt_hi == ta ? c_a : c_above;  // C of tile kt
+
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
+    const int64_t j0 = kt * kBlockN;
+    const int stage = static_cast<int>(it & 1);
+    const T* Ks = KV + (2 * stage) * Smem::kTile;
+    const T* Vs = Ks + Smem::kTile;
+    const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
+    // This tile has landed and every warp is done with the previous one (its stage is free).
+    cp_async_wait<0>();
+    fence_async_proxy();
+    __syncthreads();
+    // The largest bias of the tile is at its top key; the same decision in every thread.
+    if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
+    if (kt - 1 >= kt_lo) {  // prefetch the next tile into the other stage
+      const int64_t jn = j0 - kBlockN;
+      T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
+      load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
+      load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
+      load_suffix(Ts + (stage ^ 1) * kBlockN, jn);
+      cp_async_commit();
+    }
+
+    // S = Q K^T for this warpgroup's 64 rows x 128 keys.
+    float sc[kBlockN / 2];
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint64_t da = sw128_descriptor(
+          Qs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + (ks % 4) * 16, 16, 1024);
+      const uint64_t db = sw128_descriptor(Ks + (ks / 4) * kBlockN * 64 + (ks % 4) * 16, 16, 1024);
+      gmma_ss<GmmaS>(da, db, sc, ks > 0);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_registers(sc);
+
+    // Bias, masks and the online softmax, log2 domain. The masked variant runs only on the tiles
+    // that cross the diagonal or first_key (int32 column limits, relative to the tile).
+    float tile_max[2] = {-INFINITY, -INFINITY};
+    auto add_bias = [&](auto masked) {
+      int hi_col[2] = {0, 0};
+      int lo_col = 0;
+      if constexpr (decltype(masked)::value) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+          hi_col[hi] = static_cast<int>(max64(-1, min64(kBlockN, a + row_of(hi) - j0)));
+        lo_col = static_cast<int>(max64(0, min64(kBlockN, s.first_key - j0)));
+      }
+#pragma unroll
+      for (int n = 0; n < kKeyChunks; ++n) {
+        const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
+        // rq - R_j = rq - (C - T_j)
+        const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hi = e >> 1;
+          float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
+          if constexpr (decltype(masked)::value) {
+            const int col = n * 8 + quad * 2 + (e & 1);
+            if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
+          }
+          sc[4 * n + e] = x;
+          tile_max[hi] = fmaxf(tile_max[hi], x);
+        }
+      }
+    };
+    if (j0 + kBlockN - 1 > a || j0 < s.first_key)
+      add_bias(std::true_type{});
+    else
+      add_bias(std::false_type{});
+    float correction[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      float m = tile_max[hi];
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float new_max = fmaxf(row_max[hi], m);
+      // A row that has seen no key yet keeps max -inf: subtract 0 instead (all its p are 0).
+      const float base_max = new_max == -INFINITY ? 0.f : new_max;
+      correction[hi] = exp2f(row_max[hi] - base_max);
+      row_max[hi] = new_max;
+      tile_max[hi] = base_max;
+    }
+    // P in the A-operand layout: the accumulators of 8-column chunks 2k, 2k+1 form k-step k.
+    uint32_t p_frag[kBlockN / 16][4];
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < kKeyChunks; ++n) {
+      const float p0 = exp2f(sc[4 * n + 0] - tile_max[0]), p1 = exp2f(sc[4 * n + 1] - tile_max[0]);
+      const float p2 = exp2f(sc[4 * n + 2] - tile_max[1]), p3 = exp2f(sc[4 * n + 3] - tile_max[1]);
+      tile_sum[0] += p0 + p1;
+      tile_sum[1] += p2 + p3;
+      p_frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(p0, p1);
+      p_frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(p2, p3);
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
+#pragma unroll
+    for (int n = 0; n < kDimChunks; ++n) {
+      o[4 * n + 0] *= correction[0];
+      o[4 * n + 1] *= correction[0];
+      o[4 * n + 2] *= correction[1];
+      o[4 * n + 3] *= correction[1];
+    }
+
+    // O += P V: V's rows are the k dimension, read transposed (leading byte offset: the next
+    // 64-column block of V).
+    fence_registers(o);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks)
+      gmma_rs<GmmaPV>(p_frag[ks], sw128_descriptor(Vs + ks * 16 * 64, kBlockN * 128, 1024), o);
+    cute::warpgroup_commit_batch();
+    carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
+    cute::warpgroup_wait<0>();
+    fence_registers(o);
+  }
+  cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
+
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+  }
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int r = row_of(hi);
+    if (r >= nq) continue;
+    const bool empty = row_sum[hi] == 0.f;
+    const float inv = empty ? 0.f : 1.f / row_sum[hi];
+    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]);
+    T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride +
+             (s.row_q + i0 + r) * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+    for (int n = 0; n < kDimChunks; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + quad * 2) =
+          Mma::pack(o[4 * n + 2 * hi] * inv, o[4 * n + 2 * hi + 1] * inv);
+    if (quad == 0) static_cast<float*>(p.lse)[row_stat_offset(p, s, h) + i0 + r] = lse2 * kLn2;
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace fox::cuda::hopper
+
+namespace fox::cuda {
+
+template <typename T, int kHeadDim>
+bool run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+                        int64_t max_len_k, cudaStream_t stream) {
+  using namespace hopper;
+  auto kernel = forward_kernel<T, kHeadDim>;
+  // Only where this binary carries sm_90a code for the device (not sm_80 code run on a Hopper GPU).
+  static const bool available = [&] {
+    cudaFuncAttributes attr;
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    const bool ok = major == 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+                    attr.binaryVersion == 90;
+    cudaGetLastError();  // a failed query is not an error of a later launch
+    return ok;
+  }();
+  if (!available) return false;
+  const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
+  if (key_tiles * p.num_heads * p.batch == 0) return true;
+  gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
+      p, gate_suffix, key_tiles);
+  const int64_t tiles = (max_len_q + kBlockM - 1) / kBlockM;
+  const int64_t blocks = tiles * p.num_heads * p.batch;
+  if (blocks == 0) return true;
+  constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, gate_suffix, tiles);
+  return true;
+}
+
+}  // namespace fox::cuda

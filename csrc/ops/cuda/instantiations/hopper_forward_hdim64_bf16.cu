@@ -1,0 +1,7 @@
+// Hopper forward, head dim 64, __nv_bfloat16.
+#include "../hopper_forward.cuh"
+
+namespace fox::cuda {
+template bool run_hopper_forward<__nv_bfloat16, 64>(const ForwardParams&, float*, int64_t, int64_t,
+                                                      cudaStream_t);
+}  // namespace fox::cuda
