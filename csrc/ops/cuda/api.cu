@@ -214,7 +214,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     if constexpr (!std::is_same_v<T, float>) {
       if (tensor_cores) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          run_fast_backward<T, kHeadDim>(p, ws, max_len_q, max_len_k, stream);
+          bool done = false;
+          if (hopper_kernels_enabled()) {
+            auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
+            done = run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q,
+                                                    max_len_k, stream);
+          }
+          if (!done) run_fast_backward<T, kHeadDim>(p, ws, max_len_q, max_len_k, stream);
         });
         return;
       }

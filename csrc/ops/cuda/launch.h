@@ -55,6 +55,12 @@ template <typename T, int kHeadDim>
 bool run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
                         int64_t max_len_k, cudaStream_t stream);
 
+// Hopper backward (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16; false where unavailable, as
+// run_hopper_forward. `gate_suffix` as there.
+template <typename T, int kHeadDim>
+bool run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
+                         int64_t max_len_q, int64_t max_len_k, cudaStream_t stream);
+
 // Tensor-core backward for head_dim 64 and 128, fp16/bf16.
 template <typename T, int kHeadDim>
 void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,

@@ -1,0 +1,513 @@
+// Hopper (sm_90a) backward of Forgetting Attention for head dim 64 / 128 in fp16 / bf16: the
+// structure of the portable backward (fast_backward.cuh: deterministic, no atomics, one writer per
+// output element) on warpgroup MMA, with the gate bias from the tile suffix sums T of the forward
+// (hopper_forward.cuh) and double-buffered tiles.
+//
+//   dkdv_kernel: one block (two warpgroups) per (sequence, kv head, 128-key tile); each warpgroup
+//     owns 64 keys: S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), then
+//     dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q read transposed), walking
+//     64-query tiles upwards from the diagonal for every head of the GQA group. dc = -colsum(dS).
+//   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
+//     S = Q K^T, dP = dO V^T, dQ += dS K, walking 64-key tiles downwards; row sums of dS.
+//
+// Bias: with C and T as in the forward, R_x = C_{tile(x)} - T[x] relative to an anchor; the dkdv
+// kernel anchors at its first key j0 (C = T[j0] on the key tile, then C += T[boundary] at each
+// 128-position boundary the query tiles cross), the dq kernel at its first query like the forward.
+#pragma once
+
+#include "generic_kernels.cuh"
+#include "hopper_forward.cuh"
+
+namespace fox::cuda::hopper {
+
+constexpr int kBwdQueries = 64;  // query tile of the dkdv kernel
+constexpr int kBwdKeys = 64;     // key tile of the dq kernel
+
+template <int kHeadDim>
+struct DkdvSmem {
+  static constexpr int kKV = kBlockN * kHeadDim;      // K or V: 128 keys
+  static constexpr int kQ = kBwdQueries * kHeadDim;   // one Q or dO tile
+  static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
+  // T of the keys; per stage T, lse and delta of the queries
+  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * (kBlockN + 2 * 3 * kBwdQueries);
+  static constexpr size_t kAllocBytes = kBytes + 1024;
+};
+
+template <int kHeadDim>
+struct DqSmem {
+  static constexpr int kQ = kBlockM * kHeadDim;     // Q or dO: 128 queries
+  static constexpr int kKV = kBwdKeys * kHeadDim;   // one K or V tile
+  static constexpr size_t kBytesTiles = 2 * (2 * kQ + 2 * 2 * kKV);  // Q, dO, 2 stages of (K, V)
+  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * 2 * kBwdKeys;  // + T per stage
+  static constexpr size_t kAllocBytes = kBytes + 1024;
+};
+
+template <typename T, int kRows, int kHeadDim>
+__device__ __forceinline__ void store_accumulator(T* base, int64_t row_stride, int row0, int nrows,
+                                                  const float (&acc)[kHeadDim / 2], float scale) {
+  using Mma = MmaTraits<T>;
+  const int lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int r = row0 + group + 8 * hi;
+    if (r >= nrows) continue;
+    T* out = base + r * row_stride;
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + quad * 2) =
+          Mma::pack(acc[4 * n + 2 * hi] * scale, acc[4 * n + 2 * hi + 1] * scale);
+  }
+}
+
+// C fragments (rows x 64 columns) -> A fragments of the 4 k-steps of the next product.
+template <typename T>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&frag)[4][4], const float (&c)[32]) {
+  using Mma = MmaTraits<T>;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(c[4 * n + 0], c[4 * n + 1]);
+    frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(c[4 * n + 2], c[4 * n + 3]);
+  }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    dkdv_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
+                int64_t num_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Smem = DkdvSmem<kHeadDim>;
+  using GmmaS = typename Gmma<T, kBwdQueries>::SS;
+  using GmmaD = typename Gmma<T, kHeadDim>::RS;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* Ks = reinterpret_cast<T*>(base);
+  T* Vs = Ks + Smem::kKV;
+  T* QdO = Vs + Smem::kKV;  // stage s: Q at QdO + 2s * kQ, dO at QdO + (2s + 1) * kQ
+  float* Tk = reinterpret_cast<float*>(base + Smem::kBytesTiles);
+  float* stats = Tk + kBlockN;  // stage s: T, lse, delta of the queries at stats + 3s * 64
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int group = lane >> 2, quad = lane & 3;
+  const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
+
+  const int64_t b = blockIdx.x;
+  const int64_t tile = b % num_tiles;  // the first key tiles see the most queries: first
+  const int64_t hk = (b / num_tiles) % p.num_kv_heads;
+  const SequenceView s = p.sequence(b / (num_tiles * p.num_kv_heads));
+  const int64_t j0 = tile * kBlockN;
+  if (j0 >= s.len_k) return;
+  const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
+  const int64_t offset = s.len_k - s.len_q;  // query i sits at position i + offset
+  const int64_t heads_per_group = p.heads_per_kv_head();
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  {
+    const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
+    load_tile<T, kBlockN, kHeadDim>(Ks, hp.k + j0 * hp.k_row, hp.k_row, nk);
+    load_tile<T, kBlockN, kHeadDim>(Vs, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    cp_async_commit();
+  }
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  const int64_t qt_begin = max64(0, j0 - offset) / kBwdQueries;
+  const bool any_key = j0 + nk - 1 >= s.first_key;
+  for (int64_t h = hk * heads_per_group; h < (hk + 1) * heads_per_group; ++h) {
+    const HeadPointers<T> hp = head_pointers<T>(p, s, h);
+    const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
+                    s.row_q * p.do_row_stride + h * p.do_head_stride;
+    const int64_t stat = row_stat_offset(p, s, h);
+    const float* lse_h = static_cast<const float*>(p.lse) + stat;
+    const float* delta_h = ws.delta + stat;
+    const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+    float colsum[2] = {0.f, 0.f};
+
+    // Q, dO and the row statistics of query tile qt into stage st (zeros past the end).
+    auto load_queries = [&](int64_t qt, int st) {
+      const int64_t i0 = qt * kBwdQueries;
+      const int nq = static_cast<int>(min64(kBwdQueries, s.len_q - i0));
+      T* Qn = QdO + 2 * st * Smem::kQ;
+      load_tile<T, kBwdQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
+      load_tile<T, kBwdQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
+      float* sn = stats + 3 * st * kBwdQueries;
+      if (threadIdx.x < kBwdQueries) {
+        const int c = threadIdx.x;
+        const bool ok = c < nq;
+        const int64_t i = ok ? i0 + c : 0;
+        cp_async_4(sn + c, T_ + i + offset, ok);
+        cp_async_4(sn + kBwdQueries + c, lse_h + i, ok);
+        cp_async_4(sn + 2 * kBwdQueries + c, delta_h + i, ok);
+      }
+    };
+
+    __syncthreads();  // every warp is done with the previous head's tiles and Tk
+    if (threadIdx.x < kBlockN) {
+      const int64_t j = j0 + threadIdx.x;
+      cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+    }
+    const bool any_query = any_key && qt_begin * kBwdQueries < s.len_q;
+    if (any_query) load_queries(qt_begin, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // Anchor j0: C of the key tile is T[j0]; R of this thread's keys (log2 domain).
+    float c_cur = Tk[0];
+    float rk[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) rk[hi] = (c_cur - Tk[warp_row0 + group + 8 * hi]) * kLog2e;
+    // When the first query lies tiles above the keys (seqlen_q < seqlen_k), C of its 128-tile:
+    // the T of the boundaries in between, summed by every warp alike (xor butterfly).
+    const int64_t first_tile = (qt_begin * kBwdQueries + offset) / kBlockN;
+    if (any_query && first_tile > tile) {
+      float sum = 0.f;
+      for (int64_t u = tile + 1 + lane; u <= first_tile; u += 32) sum += T_[u * kBlockN];
+      c_cur += warp_sum(sum);
+    }
+    // first position of the 128-tile after the one c_cur belongs to
+    int64_t boundary = (max64(first_tile, tile) + 1) * kBlockN;
+
+    for (int64_t qt = qt_begin, it = 0; any_query && qt * kBwdQueries < s.len_q; ++qt, ++it) {
+      const int st = static_cast<int>(it & 1);
+      const T* Qs = QdO + 2 * st * Smem::kQ;
+      const T* dOs = Qs + Smem::kQ;
+      const float* Tq = stats + 3 * st * kBwdQueries;
+      const float* lse_q = Tq + kBwdQueries;
+      const float* delta_q = lse_q + kBwdQueries;
+      const int64_t i0 = qt * kBwdQueries, p0 = i0 + offset;
+      const int nq = static_cast<int>(min64(kBwdQueries, s.len_q - i0));
+      cp_async_wait<0>();
+      fence_async_proxy();
+      __syncthreads();
+      // C of the positions at and after the boundary, when it falls in this query tile.
+      const int64_t kb = boundary - p0;
+      const float c_next = kb >= 0 && kb < kBwdQueries ? c_cur + Tq[kb] : c_cur;
+      // Largest bias of the pair: the first query against the last key (0 when they overlap).
+      const float r_last = c_cur - Tk[nk - 1];
+      const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
+      const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
+      if (max_bias < p.prune_threshold) break;
+      if ((qt + 1) * kBwdQueries < s.len_q) {
+        load_queries(qt + 1, st ^ 1);
+        cp_async_commit();
+      }
+
+      float sT[32], dpT[32];  // S^T and dP^T: 64 keys of this warpgroup x 64 queries
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const int kofs = (ks % 4) * 16;
+        const uint64_t dk_ = sw128_descriptor(Ks + (ks / 4) * kBlockN * 64 + wg * 64 * 64 + kofs, 16, 1024);
+        const uint64_t dq_ = sw128_descriptor(Qs + (ks / 4) * kBwdQueries * 64 + kofs, 16, 1024);
+        gmma_ss<GmmaS>(dk_, dq_, sT, ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const int kofs = (ks % 4) * 16;
+        const uint64_t dv_ = sw128_descriptor(Vs + (ks / 4) * kBlockN * 64 + wg * 64 * 64 + kofs, 16, 1024);
+        const uint64_t ddo = sw128_descriptor(dOs + (ks / 4) * kBwdQueries * 64 + kofs, 16, 1024);
+        gmma_ss<GmmaS>(dv_, ddo, dpT, ks > 0);
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_registers(sT);
+      fence_registers(dpT);
+
+      // P^T and dS^T; the masked variant only where the tiles meet the diagonal, first_key or an end.
+      auto probabilities = [&](auto masked) {
+        int shift = 0, key_lo = 0;
+        if constexpr (decltype(masked)::value) {
+          shift = static_cast<int>(max64(-4 * kBlockN, min64(4 * kBlockN, j0 - p0)));
+          key_lo = static_cast<int>(max64(0, min64(kBlockN, s.first_key - j0)));
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const int c = n * 8 + quad * 2;
+          const float2 t2 = *reinterpret_cast<const float2*>(Tq + c);
+          const float2 l2 = *reinterpret_cast<const float2*>(lse_q + c);
+          const float2 d2 = *reinterpret_cast<const float2*>(delta_q + c);
+          // R_p (log2) - lse2 of the two columns
+          const float cp0 = (p0 + c >= boundary ? c_next : c_cur), cp1 = (p0 + c + 1 >= boundary ? c_next : c_cur);
+          const float col0 = (cp0 - t2.x) * kLog2e - l2.x * kLog2e;
+          const float col1 = (cp1 - t2.y) * kLog2e - l2.y * kLog2e;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hi = e >> 1;
+            float x = fmaf(sT[4 * n + e], scale_log2, ((e & 1) ? col1 : col0) - rk[hi]);
+            if constexpr (decltype(masked)::value) {
+              const int key = warp_row0 + group + 8 * hi, col = c + (e & 1);
+              // key j0 + key <= query position p0 + col, and both inside their sequences
+              if (col < key + shift || col >= nq || key >= nk || key < key_lo) x = -INFINITY;
+            }
+            const float prob = exp2f(x);
+            const float ds = prob * (dpT[4 * n + e] - ((e & 1) ? d2.y : d2.x));
+            sT[4 * n + e] = prob;
+            dpT[4 * n + e] = ds;
+            colsum[hi] += ds;
+          }
+        }
+      };
+      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kBwdQueries || nk < kBlockN)
+        probabilities(std::true_type{});
+      else
+        probabilities(std::false_type{});
+      uint32_t pT[4][4], dsT[4][4];
+      to_a_fragments<T>(pT, sT);
+      to_a_fragments<T>(dsT, dpT);
+
+      // dV += P^T dO, dK += dS^T Q: dO and Q read transposed (rows are the k dimension).
+      fence_registers(dv);
+      fence_registers(dk);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kBwdQueries / 16; ++ks)
+        gmma_rs<GmmaD>(pT[ks], sw128_descriptor(dOs + ks * 16 * 64, kBwdQueries * 128, 1024), dv);
+#pragma unroll
+      for (int ks = 0; ks < kBwdQueries / 16; ++ks)
+        gmma_rs<GmmaD>(dsT[ks], sw128_descriptor(Qs + ks * 16 * 64, kBwdQueries * 128, 1024), dk);
+      cute::warpgroup_commit_batch();
+      if (p0 + kBwdQueries > boundary) {  // the next query tile starts past the boundary
+        c_cur = c_next;
+        boundary += kBlockN;
+      }
+      cute::warpgroup_wait<0>();
+      fence_registers(dv);
+      fence_registers(dk);
+    }
+    cp_async_wait<0>();
+    // dc_j = -sum_i dS_ij: reduce the quad (the 4 threads holding one key row), fixed order.
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 1);
+      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 2);
+      const int key = warp_row0 + group + 8 * hi;
+      if (quad == 0 && key < nk)
+        ws.dc[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j0 + key] = -colsum[hi];
+    }
+  }
+  cp_async_wait<0>();
+
+  T* dk_base = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
+               (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
+  T* dv_base = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
+               (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
+  store_accumulator<T, kBlockN, kHeadDim>(dk_base, p.dk_row_stride, warp_row0, nk, dk, static_cast<float>(p.scale));
+  store_accumulator<T, kBlockN, kHeadDim>(dv_base, p.dv_row_stride, warp_row0, nk, dv, 1.f);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 1)
+    dq_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
+              int64_t num_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Smem = DqSmem<kHeadDim>;
+  using GmmaS = typename Gmma<T, kBwdKeys>::SS;
+  using GmmaD = typename Gmma<T, kHeadDim>::RS;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* Qs = reinterpret_cast<T*>(base);
+  T* dOs = Qs + Smem::kQ;
+  T* KV = dOs + Smem::kQ;  // stage s: K at KV + 2s * kKV, V at KV + (2s + 1) * kKV
+  float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);  // stage s: T of its keys
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int group = lane >> 2, quad = lane & 3;
+  const int warp_row0 = 64 * wg + 16 * (warp & 3);
+
+  const int64_t b = blockIdx.x;
+  const int64_t tile = num_tiles - 1 - b % num_tiles;
+  const int64_t h = (b / num_tiles) % p.num_heads;
+  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
+  const int64_t i0 = tile * kBlockM;
+  if (i0 >= s.len_q) return;
+  const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
+  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const HeadPointers<T> hp = head_pointers<T>(p, s, h);
+  const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
+                  (s.row_q + i0) * p.do_row_stride + h * p.do_head_stride;
+  const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const int64_t kt_hi = L / kBwdKeys, kt_lo = s.first_key / kBwdKeys;
+
+  auto load_keys = [&](int64_t kt, int st) {
+    const int64_t j0 = kt * kBwdKeys;
+    const int nk = static_cast<int>(min64(kBwdKeys, s.len_k - j0));
+    T* Kn = KV + 2 * st * Smem::kKV;
+    load_tile<T, kBwdKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
+    load_tile<T, kBwdKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    if (threadIdx.x < kBwdKeys) {
+      const int64_t j = j0 + threadIdx.x;
+      cp_async_4(Ts + st * kBwdKeys + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+    }
+  };
+  load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
+  load_tile<T, kBlockM, kHeadDim>(dOs, dout, p.do_row_stride, nq);
+  if (kt_hi >= kt_lo) load_keys(kt_hi, 0);
+  cp_async_commit();
+
+  const int64_t ta = a / kBlockN;
+  const float c_a = T_[a];
+  const float c_above = ta + 1 < (s.len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f;
+  auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
+  const int64_t stat = row_stat_offset(p, s, h) + i0;
+  float rq[2], delta[2];  // R of the row minus its lse (log2 domain); delta of the row
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int r = row_of(hi);
+    const int64_t pos = min64(a + r, L);
+    // rows past the end get lse 0 (finite): computed, never written
+    const float lse2 = r < nq ? static_cast<const float*>(p.lse)[stat + r] * kLog2e : 0.f;
+    rq[hi] = ((pos / kBlockN == ta ? c_a : c_above) - T_[pos]) * kLog2e - lse2;
+    delta[hi] = r < nq ? ws.delta[stat + r] : 0.f;
+  }
+  float carry = (kt_hi * kBwdKeys) / kBlockN == ta ? c_a : c_above;  // C of the keys' 128-tile
+
+  float dq[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dq[i] = 0.f;
+  float rowsum[2] = {0.f, 0.f};
+
+  for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
+    const int64_t j0 = kt * kBwdKeys;
+    const int st = static_cast<int>(it & 1);
+    const T* Ks = KV + 2 * st * Smem::kKV;
+    const T* Vs = Ks + Smem::kKV;
+    const float* Tk = Ts + st * kBwdKeys;
+    cp_async_wait<0>();
+    fence_async_proxy();
+    __syncthreads();
+    if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < p.prune_threshold) break;
+    if (kt - 1 >= kt_lo) {
+      load_keys(kt - 1, st ^ 1);
+      cp_async_commit();
+    }
+
+    float sc[32], dp[32];
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const int kofs = (ks % 4) * 16;
+      const uint64_t dq_ = sw128_descriptor(Qs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + kofs, 16, 1024);
+      const uint64_t dk_ = sw128_descriptor(Ks + (ks / 4) * kBwdKeys * 64 + kofs, 16, 1024);
+      gmma_ss<GmmaS>(dq_, dk_, sc, ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const int kofs = (ks % 4) * 16;
+      const uint64_t ddo = sw128_descriptor(dOs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + kofs, 16, 1024);
+      const uint64_t dv_ = sw128_descriptor(Vs + (ks / 4) * kBwdKeys * 64 + kofs, 16, 1024);
+      gmma_ss<GmmaS>(ddo, dv_, dp, ks > 0);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_registers(sc);
+    fence_registers(dp);
+
+    auto scores_grad = [&](auto masked) {
+      int hi_col[2] = {0, 0}, lo_col = 0;
+      if constexpr (decltype(masked)::value) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+          hi_col[hi] = static_cast<int>(max64(-1, min64(kBwdKeys, a + row_of(hi) - j0)));
+        lo_col = static_cast<int>(max64(0, min64(kBwdKeys, s.first_key - j0)));
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
+        const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hi = e >> 1;
+          float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
+          if constexpr (decltype(masked)::value) {
+            const int col = n * 8 + quad * 2 + (e & 1);
+            if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
+          }
+          const float ds = exp2f(x) * (dp[4 * n + e] - delta[hi]);
+          sc[4 * n + e] = ds;
+          rowsum[hi] += ds;
+        }
+      }
+    };
+    if (j0 + kBwdKeys - 1 > a || j0 < s.first_key)
+      scores_grad(std::true_type{});
+    else
+      scores_grad(std::false_type{});
+    uint32_t ds_frag[4][4];
+    to_a_fragments<T>(ds_frag, sc);
+
+    // dQ += dS K: K read transposed (its rows are the k dimension).
+    fence_registers(dq);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kBwdKeys / 16; ++ks)
+      gmma_rs<GmmaD>(ds_frag[ks], sw128_descriptor(Ks + ks * 16 * 64, kBwdKeys * 128, 1024), dq);
+    cute::warpgroup_commit_batch();
+    if (j0 % kBlockN == 0) carry -= Tk[0];  // crossing into the 128-tile below: C -= T[j0]
+    cute::warpgroup_wait<0>();
+    fence_registers(dq);
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    rowsum[hi] += __shfl_xor_sync(0xffffffffu, rowsum[hi], 1);
+    rowsum[hi] += __shfl_xor_sync(0xffffffffu, rowsum[hi], 2);
+    const int r = row_of(hi);
+    if (quad == 0 && r < nq) ws.dq_rowsum[stat + r] = rowsum[hi];
+  }
+  T* dq_base = static_cast<T*>(p.dq) + s.batch_index * p.dq_batch_stride +
+               (s.row_q + i0) * p.dq_row_stride + h * p.dq_head_stride;
+  store_accumulator<T, kBlockM, kHeadDim>(dq_base, p.dq_row_stride, warp_row0, nq, dq, static_cast<float>(p.scale));
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace fox::cuda::hopper
+
+namespace fox::cuda {
+
+template <typename T, int kHeadDim>
+bool run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
+                         int64_t max_len_q, int64_t max_len_k, cudaStream_t stream) {
+  using namespace hopper;
+  auto dkdv = dkdv_kernel<T, kHeadDim>;
+  auto dq = dq_kernel<T, kHeadDim>;
+  static const bool available = [&] {
+    cudaFuncAttributes attr;
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    const bool ok = major == 9 && cudaFuncGetAttributes(&attr, dkdv) == cudaSuccess &&
+                    attr.binaryVersion == 90;
+    cudaGetLastError();  // a failed query is not an error of a later launch
+    return ok;
+  }();
+  if (!available) return false;
+  const int64_t total_rows = (p.cu_seqlens ? 1 : p.batch) * p.seqlen_q;
+  const int64_t delta_warps = total_rows * p.num_heads;
+  if (delta_warps > 0)
+    generic::delta_kernel<T><<<static_cast<unsigned>((delta_warps + 7) / 8), 256, 0, stream>>>(p, ws.delta, total_rows);
+  const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
+  if (key_tiles * p.num_heads * p.batch > 0)
+    gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
+        p, gate_suffix, key_tiles);
+  const int64_t kv_blocks = key_tiles * p.num_kv_heads * p.batch;
+  if (kv_blocks > 0) {
+    constexpr size_t smem = DkdvSmem<kHeadDim>::kAllocBytes;
+    cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    dkdv<<<static_cast<unsigned>(kv_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, key_tiles);
+  }
+  const int64_t q_tiles = (max_len_q + kBlockM - 1) / kBlockM;
+  const int64_t q_blocks = q_tiles * p.num_heads * p.batch;
+  if (q_blocks > 0) {
+    constexpr size_t smem = DqSmem<kHeadDim>::kAllocBytes;
+    cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles);
+  }
+  if (p.batch * p.num_heads > 0)
+    generic::gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+  return true;
+}
+
+}  // namespace fox::cuda
