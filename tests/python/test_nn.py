@@ -206,7 +206,8 @@ def test_module_tree_is_python_modules():
     assert isinstance(mods["model.layers.0.attn"], fnn.ForgettingAttentionLayer)
     assert isinstance(mods["model.layers.0.attn.k_proj"], fnn.ShiftLinear)
     assert mods["model.layers.0"] is m.model.layers[0] is dict(m.named_modules())["model.layers.0"]
-    assert len(m.model.layers) == 2 and list(m.model.layers) == [m.model.layers[0], m.model.layers[1]]
+    assert len(m.model.layers) == 2
+    assert list(m.model.layers) == [m.model.layers[0], m.model.layers[1]]
     # every parameter belongs to exactly one module of the tree, under its full name
     owned = {f"{n}.{p}" if n else p: t for n, mod in mods.items()
              for p, t in mod.named_parameters(recurse=False)}
