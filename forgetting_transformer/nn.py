@@ -16,8 +16,9 @@ load_state_dict(), .to() and train()/eval() act on the C++ model directly. Modul
 names are the authors' (e.g. ``model.layers.0.attn.q_proj.weight``).
 
 Every C++ submodule has one Python module object (``model.model.layers[0].attn.q_proj``), so
-named_modules(), forward hooks and FSDP2 work on the tree: the model's forward runs each block
-through its Python object (hooks fire), and assigning a parameter (``module.weight = p``, as
+named_modules(), forward hooks and FSDP2 work on the tree: once a block has forward hooks, the
+model's C++ forward runs the blocks through their Python objects (the hooks fire; hooks on other
+submodules do not, their callers are C++), and assigning a parameter (``module.weight = p``, as
 ``fully_shard`` does with its sharded and unsharded tensors) re-points the C++ module to ``p``.
 
     from torch.distributed.fsdp import fully_shard
@@ -213,6 +214,23 @@ class ForgettingTransformerBlock(_CppModuleMixin, _nn.ForgettingTransformerBlock
         super().__init__(_config(config, kwargs))
         self._fix_wrapper()
 
+    # A block of a decoder tells it when it gets forward hooks (FSDP2 adds them in fully_shard):
+    # from then on the C++ forward calls the blocks through Python, so that the hooks run.
+    def register_forward_pre_hook(self, *args, **kwargs):
+        handle = super().register_forward_pre_hook(*args, **kwargs)
+        self._hooked()
+        return handle
+
+    def register_forward_hook(self, *args, **kwargs):
+        handle = super().register_forward_hook(*args, **kwargs)
+        self._hooked()
+        return handle
+
+    def _hooked(self):
+        decoder = self.__dict__.get("_decoder", lambda: None)()
+        if decoder is not None:
+            decoder._run_blocks_in_python()
+
 
 class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel):
     def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
@@ -221,9 +239,18 @@ class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel
 
     def _fix_wrapper(self):
         super()._fix_wrapper()
-        # The C++ forward calls every block through its Python module, so that the block's
-        # hooks run (FSDP2 unshards a block's parameters in a forward pre-hook). Weak references:
-        # the C++ model holds the runner, which must not keep the Python tree alive.
+        for block in self._modules["layers"]:
+            block.__dict__["_decoder"] = weakref.ref(self)
+        if any(b._forward_hooks or b._forward_pre_hooks for b in self._modules["layers"]):
+            self._run_blocks_in_python()
+
+    def _run_blocks_in_python(self):
+        """Makes the C++ forward call every block through its Python module, so that the block's
+        hooks run (FSDP2 unshards a block's parameters in a forward pre-hook). Only once a block
+        has hooks: each call costs a trip through Python (~20 us). Weak references: the C++
+        model holds the runner, which must not keep the Python tree alive."""
+        if self.__dict__.get("_blocks_in_python"):
+            return
         blocks = [weakref.ref(b) for b in self._modules["layers"]]
 
         def run(i, h, cache, seq_start):
@@ -231,6 +258,7 @@ class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel
 
         _nn.set_block_runner(self.cpp_module, run)
         weakref.finalize(self, _nn.set_block_runner, self.cpp_module, None)
+        self.__dict__["_blocks_in_python"] = True
 
 
 class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransformerForCausalLM):

@@ -170,7 +170,7 @@ TEST_CASE("replace_parameter re-points every parameter, as FSDP2 swaps them", "[
                     Catch::Contains("no parameter 'scale'"));
 }
 
-TEST_CASE("A block runner sees every block call; clones run without it", "[nn][model]") {
+TEST_CASE("A block runner sees every block call, and clones run without it", "[nn][model]") {
   torch::manual_seed(9);
   ForgettingTransformerForCausalLM lm(fox_test::tiny_config("fox_pro"));
   auto ids = torch::randint(0, 61, {2, 5});
