@@ -131,8 +131,24 @@ class _CppModuleMixin:
                     if own[k].shape != v.shape:
                         raise RuntimeError(f"size mismatch for {k}: checkpoint {tuple(v.shape)}, "
                                            f"model {tuple(own[k].shape)}")
-                    own[k].copy_(v)
+                    own[k].copy_(_like(v, own[k]))
         return _IncompatibleKeys(missing, unexpected)
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """value as target's shard when target is a DTensor (FSDP2) and value a full tensor."""
+    if not _is_dtensor(target) or _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
+                             src_data_rank=None)  # every rank has the full value: no messages
 
 
 class _CppModule(_CppModuleMixin, torch.nn.cpp.ModuleWrapper):
@@ -305,8 +321,18 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
     def save_pretrained(self, save_directory: Union[str, os.PathLike]) -> None:
         """Writes save_directory/config.json and save_directory/model.safetensors (every
         parameter and buffer in its current dtype), loadable by from_pretrained and
-        fox::nn::load_pretrained."""
-        _nn.save_pretrained(self.cpp_module, os.fspath(save_directory))
+        fox::nn::load_pretrained. Under FSDP2 (sharded parameters) every rank must call it: the
+        full tensors are gathered and rank 0 writes them."""
+        state = self.state_dict()
+        if not any(_is_dtensor(t) for t in state.values()):
+            _nn.save_pretrained(self.cpp_module, os.fspath(save_directory))
+            return
+        state = {k: t.full_tensor() if _is_dtensor(t) else t for k, t in state.items()}
+        if torch.distributed.get_rank() == 0:
+            full = ForgettingTransformerForCausalLM(self.config)
+            full.to(dtype=state["model.embeddings.weight"].dtype)
+            full.load_state_dict(state)
+            _nn.save_pretrained(full.cpp_module, os.fspath(save_directory))
 
 
 # The Python class of each bound C++ module type, to wrap existing C++ children.

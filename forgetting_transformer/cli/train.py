@@ -150,6 +150,8 @@ def build_model(cfg, arch: str, index: int, device):
 
 
 def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 

@@ -36,9 +36,10 @@ def one_process_group():
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")   # the per-token loss is a view
-def test_fully_shard_one_process(one_process_group):
-    """fully_shard per block then the root: parameters become DTensors in the C++ modules, and
-    three AdamW steps equal those of the unsharded twin."""
+def test_fully_shard_one_process(one_process_group, tmp_path):
+    """fully_shard per block then the root: parameters become DTensors in the C++ modules, three
+    AdamW steps equal those of the unsharded twin; save_pretrained writes the full tensors and
+    load_state_dict takes full tensors."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     torch.manual_seed(0)
@@ -64,6 +65,13 @@ def test_fully_shard_one_process(one_process_group):
     assert all(isinstance(p, DTensor) for p in model.parameters())   # resharded after backward
     for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.allclose(a.full_tensor(), b, atol=1e-6), k
+    model.save_pretrained(tmp_path / "hf")
+    saved = fnn.ForgettingTransformerForCausalLM.from_pretrained(tmp_path / "hf")
+    for (k, a), b in zip(saved.state_dict().items(), ref.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+    fresh = fnn.ForgettingTransformerForCausalLM(tiny()).state_dict()
+    model.load_state_dict(fresh)
+    assert all(torch.equal(a.full_tensor(), fresh[k]) for k, a in model.state_dict().items())
 
 
 def _torchrun(args, timeout=180):
