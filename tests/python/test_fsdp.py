@@ -51,6 +51,10 @@ def test_fully_shard_one_process(one_process_group, tmp_path):
     fully_shard(model)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert isinstance(model.model.layers[1].attn.q_proj.weight, DTensor)
+    # as block 1 starts, its parameters are unsharded, block 0's resharded again
+    seen = []
+    model.model.layers[1].register_forward_pre_hook(lambda *_: seen.append(
+        [type(b.attn.q_proj.weight) is DTensor for b in model.model.layers]))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     for _ in range(3):
         ids, labels = torch.randint(0, 53, (2, 9)), torch.randint(0, 53, (2, 9))
@@ -62,6 +66,7 @@ def test_fully_shard_one_process(one_process_group, tmp_path):
             opt.zero_grad()
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    assert seen == [[True, False]] * 3
     assert all(isinstance(p, DTensor) for p in model.parameters())   # resharded after backward
     for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.allclose(a.full_tensor(), b, atol=1e-6), k
