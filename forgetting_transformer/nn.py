@@ -14,8 +14,20 @@
 The parameters are the C++ module's tensors (shared, not copied): optimizers, state_dict(),
 load_state_dict(), .to() and train()/eval() act on the C++ model directly. Module and parameter
 names are the authors' (e.g. ``model.layers.0.attn.q_proj.weight``).
+
+Every C++ submodule has one Python module object (``model.model.layers[0].attn.q_proj``), so
+named_modules(), forward hooks and FSDP2 work on the tree: once a block has forward hooks, the
+model's C++ forward runs the blocks through their Python objects (the hooks fire; hooks on other
+submodules do not, their callers are C++), and assigning a parameter (``module.weight = p``, as
+``fully_shard`` does with its sharded and unsharded tensors) re-points the C++ module to ``p``.
+
+    from torch.distributed.fsdp import fully_shard
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
 """
 import os
+import weakref
 from collections import OrderedDict
 from typing import Iterator, Optional, Tuple, Union
 
@@ -43,7 +55,8 @@ load_safetensors_metadata = _nn.load_safetensors_metadata
 # Methods that torch.nn.cpp.ModuleWrapper copies from the C++ object onto the instance and that we
 # replace by nn.Module-compatible versions (returning self, yielding (name, tensor) pairs, ...).
 _SHADOWED = ("to", "cuda", "cpu", "float", "double", "half", "train", "eval", "parameters",
-             "named_parameters", "buffers", "named_buffers")
+             "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
+             "children", "named_children", "zero_grad")
 
 
 class _CppModuleMixin:
@@ -52,6 +65,25 @@ class _CppModuleMixin:
     def _fix_wrapper(self):
         for name in _SHADOWED:
             self.__dict__.pop(name, None)
+        # The C++ children as Python modules, made once (the C++ tree is fixed after construction)
+        # so that children()/named_modules() return the same objects every time: forward hooks
+        # and FSDP2's per-module state live on them.
+        self.__dict__["_modules"] = OrderedDict(
+            (name, _wrap(child)) for name, child in self.cpp_module._modules.items())
+
+    def __setattr__(self, name, value):
+        # FSDP2 swaps parameters with setattr (sharded DTensor <-> unsharded tensor): the C++
+        # module must hold, and its forward read, exactly that tensor.
+        if isinstance(value, torch.Tensor) and name in self.__dict__.get("_parameters", ()):
+            _nn.replace_parameter(self.cpp_module, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def register_parameter(self, name: str, param: Optional[torch.nn.Parameter]) -> None:
+        if param is None or name not in self._parameters:
+            raise KeyError(f"{type(self).__name__}: a C++ module's parameters are fixed; only "
+                           f"existing ones ({', '.join(self._parameters.keys())}) can be replaced")
+        _nn.replace_parameter(self.cpp_module, name, param)
 
     def train(self, mode: bool = True):
         self.cpp_module.train(mode)
@@ -99,8 +131,52 @@ class _CppModuleMixin:
                     if own[k].shape != v.shape:
                         raise RuntimeError(f"size mismatch for {k}: checkpoint {tuple(v.shape)}, "
                                            f"model {tuple(own[k].shape)}")
-                    own[k].copy_(v)
+                    own[k].copy_(_like(v, own[k]))
         return _IncompatibleKeys(missing, unexpected)
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """value as target's shard when target is a DTensor (FSDP2) and value a full tensor."""
+    if not _is_dtensor(target) or _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
+                             src_data_rank=None)  # every rank has the full value: no messages
+
+
+class _CppModule(_CppModuleMixin, torch.nn.cpp.ModuleWrapper):
+    """A C++ submodule without Python bindings of its own (torch::nn Linear, Embedding, ...)."""
+
+
+class _CppModuleList(_CppModule):
+    """torch::nn::ModuleList: indexable and iterable like nn.ModuleList."""
+
+    def __getitem__(self, index: int) -> torch.nn.Module:
+        return list(self._modules.values())[index]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+def _wrap(cpp_module) -> torch.nn.Module:
+    """The Python module over an existing C++ module (no new C++ module is made)."""
+    cls = _WRAPPERS.get(type(cpp_module))
+    if cls is None:
+        cls = _CppModuleList if str(cpp_module) == "torch::nn::ModuleListImpl" else _CppModule
+    module = cls.__new__(cls)
+    torch.nn.cpp.ModuleWrapper.__init__(module, cpp_module)
+    module._fix_wrapper()
+    return module
 
 
 class RMSNorm(_CppModuleMixin, _nn.RMSNorm):
@@ -154,11 +230,51 @@ class ForgettingTransformerBlock(_CppModuleMixin, _nn.ForgettingTransformerBlock
         super().__init__(_config(config, kwargs))
         self._fix_wrapper()
 
+    # A block of a decoder tells it when it gets forward hooks (FSDP2 adds them in fully_shard):
+    # from then on the C++ forward calls the blocks through Python, so that the hooks run.
+    def register_forward_pre_hook(self, *args, **kwargs):
+        handle = super().register_forward_pre_hook(*args, **kwargs)
+        self._hooked()
+        return handle
+
+    def register_forward_hook(self, *args, **kwargs):
+        handle = super().register_forward_hook(*args, **kwargs)
+        self._hooked()
+        return handle
+
+    def _hooked(self):
+        decoder = self.__dict__.get("_decoder", lambda: None)()
+        if decoder is not None:
+            decoder._run_blocks_in_python()
+
 
 class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel):
     def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
         super().__init__(_config(config, kwargs))
         self._fix_wrapper()
+
+    def _fix_wrapper(self):
+        super()._fix_wrapper()
+        for block in self._modules["layers"]:
+            block.__dict__["_decoder"] = weakref.ref(self)
+        if any(b._forward_hooks or b._forward_pre_hooks for b in self._modules["layers"]):
+            self._run_blocks_in_python()
+
+    def _run_blocks_in_python(self):
+        """Makes the C++ forward call every block through its Python module, so that the block's
+        hooks run (FSDP2 unshards a block's parameters in a forward pre-hook). Only once a block
+        has hooks: each call costs a trip through Python (~20 us). Weak references: the C++
+        model holds the runner, which must not keep the Python tree alive."""
+        if self.__dict__.get("_blocks_in_python"):
+            return
+        blocks = [weakref.ref(b) for b in self._modules["layers"]]
+
+        def run(i, h, cache, seq_start):
+            return blocks[i]()(h, cache, seq_start)
+
+        _nn.set_block_runner(self.cpp_module, run)
+        weakref.finalize(self, _nn.set_block_runner, self.cpp_module, None)
+        self.__dict__["_blocks_in_python"] = True
 
 
 class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransformerForCausalLM):
@@ -205,9 +321,25 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
     def save_pretrained(self, save_directory: Union[str, os.PathLike]) -> None:
         """Writes save_directory/config.json and save_directory/model.safetensors (every
         parameter and buffer in its current dtype), loadable by from_pretrained and
-        fox::nn::load_pretrained."""
-        _nn.save_pretrained(self.cpp_module, os.fspath(save_directory))
+        fox::nn::load_pretrained. Under FSDP2 (sharded parameters) every rank must call it: the
+        full tensors are gathered and rank 0 writes them."""
+        state = self.state_dict()
+        if not any(_is_dtensor(t) for t in state.values()):
+            _nn.save_pretrained(self.cpp_module, os.fspath(save_directory))
+            return
+        state = {k: t.full_tensor() if _is_dtensor(t) else t for k, t in state.items()}
+        if torch.distributed.get_rank() == 0:
+            full = ForgettingTransformerForCausalLM(self.config)
+            full.to(dtype=state["model.embeddings.weight"].dtype)
+            full.load_state_dict(state)
+            _nn.save_pretrained(full.cpp_module, os.fspath(save_directory))
 
+
+# The Python class of each bound C++ module type, to wrap existing C++ children.
+_WRAPPERS = {getattr(_nn.cpp, c.__name__): c
+             for c in (RMSNorm, GroupRMSNorm, ShiftLinear, GatedMLP, ForgettingAttentionLayer,
+                       ForgettingTransformerBlock, ForgettingTransformerModel,
+                       ForgettingTransformerForCausalLM)}
 
 __all__ = [
     "ForgettingTransformerConfig", "ForgettingAttentionLayerOptions", "GenerationOptions",

@@ -152,8 +152,10 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
   }
   auto h = inputs_embeds;
   for (size_t i = 0; i < layers->size(); ++i) {
-    h = layers[i]->as<ForgettingTransformerBlockImpl>()->forward(
-        h, cache ? &cache->layers[i] : nullptr, start);
+    auto* layer_cache = cache ? &cache->layers[i] : nullptr;
+    auto* block = layers[i]->as<ForgettingTransformerBlockImpl>();
+    h = block_runner_.fn ? block_runner_.fn(static_cast<int64_t>(i), h, layer_cache, start)
+                         : block->forward(h, layer_cache, start);
   }
   return norm(h);
 }

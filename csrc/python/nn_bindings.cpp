@@ -2,6 +2,7 @@
 // with torch::python::bind_module, so Python gets a real torch.nn.Module (parameters(),
 // state_dict(), .to(), train()/eval()) whose parameters are the C++ module's tensors. Options and
 // the config are bound as classes constructible from keyword arguments.
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 #include <torch/python.h>
 
@@ -273,6 +274,21 @@ void init_nn_bindings(py::module_& parent) {
       },
       py::arg("model"), py::arg("path"), py::arg("strict") = false,
       "Copies the weights of a checkpoint directory (or a .safetensors file) into the model");
+
+  // ---- parameter swapping (FSDP2) -------------------------------------------------------------
+  m.def("replace_parameter", &replace_parameter, py::arg("module"), py::arg("name"),
+        py::arg("value"),
+        "Re-points parameter `name` of a C++ module (registered entry and forward's member) to "
+        "`value`");
+  m.def(
+      "set_block_runner",
+      [](ForgettingTransformerModelImpl& model,
+         std::optional<ForgettingTransformerModelImpl::BlockRunner> runner) {
+        // pybind11's std::function holder takes the GIL to call and to release the callable.
+        model.set_block_runner(runner.value_or(nullptr));
+      },
+      py::arg("model"), py::arg("runner"),
+      "runner(i, h, layer_cache, seq_start) -> h runs block i in forward (None: call it directly)");
 
   m.def("mlp_intermediate_size", &mlp_intermediate_size, py::arg("hidden_size"),
         py::arg("hidden_ratio"));

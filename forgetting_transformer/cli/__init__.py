@@ -5,6 +5,7 @@
     fox eval CHECKPOINT [CHECKPOINT ...]      per-token loss L(i) and loss by context length
     fox eval CHECKPOINT --needle [--mqar]     needle-in-a-haystack grid, associative recall
     torchrun --nproc_per_node N -m forgetting_transformer train ...   data-parallel (DDP)
+    torchrun --nproc_per_node N -m forgetting_transformer train --fsdp ...   sharded (FSDP2)
     fox inspect CHECKPOINT          forget-gate heatmaps, attention maps, per-head statistics
     fox generate CHECKPOINT --prompt "def "
     fox demo                        the Forgetting Attention op against the plain formula
@@ -49,7 +50,8 @@ def _add_train_flags(p):
     for flag, (key, typ, hlp) in TRAIN_FLAGS.items():
         p.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
     p.add_argument("--fsdp", action="store_true", default=None,
-                   help="shard with FSDP2 under torchrun (not supported by the C++ modules: errors)")
+                   help="under torchrun: shard parameters, gradients and optimizer state with "
+                        "FSDP2 (fully_shard per block) instead of replicating them (DDP)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key; VALUE is parsed as JSON when it can be")
 

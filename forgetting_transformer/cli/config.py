@@ -38,7 +38,7 @@ DEFAULTS: Dict[str, Any] = {
     "data_dir": None,                # a directory of text files (default: the stdlib's *.py)
     "tokens": None,                  # pre-tokenized ids: .npy, or raw (token_dtype)
     "token_dtype": None,             # uint16 | uint32, for raw token files
-    "fsdp": False,                   # FSDP2 (fully_shard): not supported by the C++ modules
+    "fsdp": False,                   # under torchrun: FSDP2 (fully_shard per block) instead of DDP
     "tensorboard": True,             # also log to <out_dir>/tensorboard when it is installed
     "log_interval": 10,
     "eval_interval": 100,            # validation loss during training, in steps (0: off)

@@ -11,12 +11,12 @@ same global batch and takes its own contiguous slice of ``batch_size / N`` seque
 all-reduced so the update equals the single-process one on the global batch. Only rank 0 writes
 metrics, TensorBoard events and checkpoints.
 
-FSDP2 (``--fsdp``) is NOT supported: the models are C++ modules (torch::nn bound with
-torch::python::bind_module) whose parameters live in the C++ module and are read there by the C++
-forward. ``torch.distributed.fsdp.fully_shard`` needs Python-registered parameters that it can
-replace with sharded DTensors (it calls ``named_parameters(remove_duplicate=...)`` on the wrapper
-and fails with a TypeError; even with that patched, the C++ forward would keep using the unsharded
-tensors). ``--fsdp`` therefore raises a clear error instead of silently training unsharded.
+FSDP2 (``--fsdp`` under torchrun): ``fully_shard`` on every block, then on the whole model, over
+a 1-D mesh of all ranks. Each rank keeps a 1/N shard of every parameter, gradient and optimizer
+state; a block's parameters are all-gathered just before it runs (forward and backward) and freed
+after. Batches are split as with DDP, so the update is the single-process one. Checkpoints hold
+the full (gathered) model and optimizer state, in the same layout as single-process and DDP runs:
+any of the three can resume any checkpoint, and eval/generate read it unchanged.
 """
 import contextlib
 import json
@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -36,13 +37,6 @@ CHECKPOINT_FORMAT = "fox_torch.cli/1"
 STRUCTURAL_KEYS = ("models", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads",
                    "hidden_ratio", "rope_base", "seq_len", "batch_size", "seed", "val_fraction",
                    "max_files")
-
-
-FSDP_UNSUPPORTED = (
-    "--fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) cannot shard these models: they are C++ "
-    "modules whose parameters are owned and read by the C++ forward, not Python-registered "
-    "nn.Parameters that fully_shard could replace with sharded DTensors. Use plain data parallel "
-    "(torchrun without --fsdp), gradient accumulation (--micro-batch-size) and bf16 instead.")
 
 
 def resolve_device(cfg) -> torch.device:
@@ -58,7 +52,7 @@ def resolve_device(cfg) -> torch.device:
 class Distributed:
     """torchrun's environment: rank, world size; initializes the process group when WORLD_SIZE > 1."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fsdp: bool = False):
         import torch.distributed as dist
         self.dist = dist
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -71,6 +65,7 @@ class Distributed:
             self.owned = True
         if self.world > 1:
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.fsdp = fsdp and self.world > 1
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +78,17 @@ class Distributed:
     def wrap(self, model, device):
         if not self.enabled:
             return model
+        if self.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            # An explicit mesh: the default one follows the accelerator, not --device.
+            mesh = init_device_mesh(device.type, (self.world,))
+            # The per-token loss is a view (reshaped cross-entropy); it is only reduced, never
+            # modified in place, which is what this warning is about.
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            for block in model.model.layers:
+                fully_shard(block, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -141,6 +147,50 @@ def build_model(cfg, arch: str, index: int, device):
     from ..nn import ForgettingTransformerForCausalLM
     torch.manual_seed(cfg["seed"] * 1000 + index)
     return ForgettingTransformerForCausalLM(cfgmod.model_config(cfg, arch)).to(device)
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def full_state_dict(model) -> Dict[str, torch.Tensor]:
+    """The model's state dict on the CPU, FSDP2 shards gathered (a collective: every rank calls it)."""
+    return {k: (v.full_tensor() if _is_dtensor(v) else v).cpu()
+            for k, v in model.state_dict().items()}
+
+
+def full_optimizer_state(opt) -> Dict:
+    """opt.state_dict() with FSDP2 shards gathered: the single-process layout (a collective)."""
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: (v.full_tensor() if _is_dtensor(v) else v) for k, v in st.items()}
+                   for i, st in sorted(sd["state"].items())}
+    return sd
+
+
+def load_optimizer_state(opt, sd: Dict):
+    """Loads a full optimizer state; under FSDP2 each rank keeps the shards of its parameters."""
+    from torch.distributed.tensor import distribute_tensor
+    params = [p for g in opt.param_groups for p in g["params"]]
+    sd = dict(sd, state={i: {k: (distribute_tensor(v.to(params[i].device), params[i].device_mesh,
+                                                   params[i].placements, src_data_rank=None)
+                                 if _is_dtensor(params[i]) and v.shape == params[i].shape else v)
+                             for k, v in st.items()}
+                         for i, st in sd["state"].items()})
+    opt.load_state_dict(sd)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ that also takes FSDP2's sharded gradients: the norm is over the full
+    gradients, reduced across ranks before scaling."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if _is_dtensor(norm):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def count_parameters(model) -> Dict[str, int]:
@@ -288,15 +338,15 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
           stop_at: Optional[int] = None) -> Dict:
     """Runs (or resumes) training; returns a summary dict. ``stop_at`` ends the process-like run
     after that many steps without a final checkpoint (to test kill-and-resume)."""
-    if cfg.get("fsdp"):
-        raise SystemExit(FSDP_UNSUPPORTED)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
     out_dir = cfg["out_dir"]
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     device = resolve_device(cfg)
     autocast = autocast_for(cfg, device)
-    ddp = Distributed(device)
+    ddp = Distributed(device, fsdp=bool(cfg.get("fsdp")))
+    if cfg.get("fsdp") and not ddp.enabled and not quiet:
+        print("--fsdp: one process (no torchrun), nothing to shard", flush=True)
     try:
         return _train(cfg, resume, corpus, quiet or not ddp.main, stop_at, out_dir, metrics_path,
                       device, autocast, ddp)
@@ -340,12 +390,18 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
 
     archs = list(cfg["models"])
     models = {a: build_model(cfg, a, i, device) for i, a in enumerate(archs)}
+    params = {a: count_parameters(m) for a, m in models.items()}    # before sharding
+    if ckpt is not None:      # full tensors: loaded before FSDP2 shards them
+        for a in archs:
+            models[a].load_state_dict(ckpt["models"][a]["state_dict"])
+    # DDP wraps; FSDP2 shards in place (models[a] is then the sharded model) and the optimizers
+    # must be made after it, over the sharded parameters.
+    wrapped = {a: ddp.wrap(m, device) for a, m in models.items()}
     opts = {a: make_optimizer(cfg, a, m) for a, m in models.items()}
     start_step, elapsed_before = 0, 0.0
     if ckpt is not None:
         for a in archs:
-            models[a].load_state_dict(ckpt["models"][a]["state_dict"])
-            opts[a].load_state_dict(ckpt["models"][a]["optimizer"])
+            load_optimizer_state(opts[a], ckpt["models"][a]["optimizer"])
         start_step = ckpt["step"]
         elapsed_before = ckpt.get("train_time", 0.0)
         torch.set_rng_state(ckpt["torch_rng"])
@@ -355,10 +411,11 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
         cfgmod.dump(cfg, os.path.join(out_dir, "config.json"))
 
     info = {"device": str(device), "data": corpus.summary(), "data_load_s": round(t_load, 2),
-            "models": {a: {"params": count_parameters(m),
+            "models": {a: {"params": params[a],
                            "config": cfgmod.describe(cfgmod.model_config(cfg, a))}
-                       for a, m in models.items()}}
+                       for a in archs}}
     info["world_size"] = ddp.world
+    info["fsdp"] = ddp.fsdp
     if main:
         with open(os.path.join(out_dir, "run_info.json"), "w") as fh:
             json.dump(info, fh, indent=2)
@@ -368,7 +425,8 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
               f"data {d['train_files']} train / {d['val_files']} val files "
               f"({d['train_tokens'] / 1e6:.1f}M / {d['val_tokens'] / 1e6:.1f}M bytes) from "
               f"{d['root']}; out {out_dir}" +
-              (f"; data parallel over {ddp.world} processes" if ddp.enabled else ""), flush=True)
+              (f"; {'FSDP2' if ddp.fsdp else 'data parallel'} over {ddp.world} processes"
+               if ddp.enabled else ""), flush=True)
         for a, m in models.items():
             p = info["models"][a]["params"]
             print(f"  {a}: {p['total'] / 1e6:.2f}M parameters ({p['non_embedding'] / 1e6:.2f}M "
@@ -385,17 +443,20 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                          f"micro_batch_size {mb}")
     for m in models.values():
         m.train()
-    wrapped = {a: ddp.wrap(m, device) for a, m in models.items()}
 
     def save(step: int, train_time: float):
+        # Under FSDP2 every rank takes part in gathering the full state; rank 0 writes it.
+        entries = {a: {"state_dict": full_state_dict(models[a]),
+                       "optimizer": full_optimizer_state(opts[a]),
+                       "model_config": cfgmod.describe(cfgmod.model_config(cfg, a))}
+                   for a in archs}
+        if not main:
+            return
         state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg,
                  "train_time": train_time, "torch_rng": torch.get_rng_state(),
                  "data_state": {"seed": cfg["seed"], "next_step": step,
                                 "val_fraction": cfg["val_fraction"], **corpus.summary()},
-                 "models": {a: {"state_dict": {k: v.cpu() for k, v in models[a].state_dict().items()},
-                                "optimizer": opts[a].state_dict(),
-                                "model_config": cfgmod.describe(cfgmod.model_config(cfg, a))}
-                            for a in archs}}
+                 "models": entries}
         cdir = checkpoint_dir(out_dir)
         atomic_save(state, os.path.join(cdir, f"step_{step:07d}.pt"))
         atomic_save(state, os.path.join(cdir, "last.pt"))
@@ -432,7 +493,8 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                         (loss * ddp.world if ddp.enabled else loss).backward()
                     loss_sum += loss.detach().double().cpu()
                 loss_sum = float(ddp.sum_(loss_sum))
-                gnorm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), cfg["grad_clip"])
+                gnorm = clip_grad_norm([p for g in opt.param_groups for p in g["params"]],
+                                       cfg["grad_clip"])
                 opt.step()
                 last[a] = loss_sum
                 record[a] = {"loss": round(loss_sum, 5), "lr": lr, "grad_norm": round(float(gnorm), 4)}
@@ -449,7 +511,9 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                 tb.record(record, archs)
             text = " ".join(f"{a} {last[a]:.3f}" for a in archs)
             progress.update(step, f"loss {text} | {tps:,.0f} tok/s | ETA {_fmt_time(eta)}", log)
-            if main and cfg["eval_interval"] and (step % cfg["eval_interval"] == 0 or step == steps):
+            # Under FSDP2 every rank runs the (same) validation forward: it all-gathers.
+            if (main or ddp.fsdp) and cfg["eval_interval"] and (step % cfg["eval_interval"] == 0
+                                                                or step == steps):
                 ev = {"step": step, "eval": True}
                 for a in archs:
                     ev[a] = {"val_loss": round(validation_loss(models[a], corpus, cfg, device,
@@ -461,7 +525,7 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                                " ".join(f"{a} {ev[a]['val_loss']:.4f}" for a in archs))
             if stop_at is not None and step >= stop_at:
                 return {"stopped_at": step}
-            if main and (step % cfg["checkpoint_interval"] == 0 or step == steps):
+            if (main or ddp.fsdp) and (step % cfg["checkpoint_interval"] == 0 or step == steps):
                 save(step, elapsed_before + time.perf_counter() - t0)
         ddp.barrier()       # the final checkpoint is on disk before any rank returns
     finally:

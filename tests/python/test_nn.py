@@ -194,3 +194,70 @@ def test_generate_greedy_and_sampling():
     sampled = model.generate(prompt, max_new_tokens=4, do_sample=True, temperature=0.7, top_k=5,
                              top_p=0.9)
     assert sampled.shape == (2, 9) and torch.equal(sampled[:, :5], prompt)
+
+
+# ---- the Python module tree over the C++ modules (hooks, parameter swaps: FSDP2's needs) ------
+
+def test_module_tree_is_python_modules():
+    m = fnn.ForgettingTransformerForCausalLM(tiny("fox_pro"))
+    mods = dict(m.named_modules())
+    assert all(isinstance(v, torch.nn.Module) for v in mods.values())
+    assert isinstance(mods["model.layers.1"], fnn.ForgettingTransformerBlock)
+    assert isinstance(mods["model.layers.0.attn"], fnn.ForgettingAttentionLayer)
+    assert isinstance(mods["model.layers.0.attn.k_proj"], fnn.ShiftLinear)
+    assert mods["model.layers.0"] is m.model.layers[0] is dict(m.named_modules())["model.layers.0"]
+    assert len(m.model.layers) == 2
+    assert list(m.model.layers) == [m.model.layers[0], m.model.layers[1]]
+    # every parameter belongs to exactly one module of the tree, under its full name
+    owned = {f"{n}.{p}" if n else p: t for n, mod in mods.items()
+             for p, t in mod.named_parameters(recurse=False)}
+    assert owned.keys() == dict(m.named_parameters()).keys()
+    assert all(owned[k] is v for k, v in m.named_parameters())
+
+
+def test_forward_hooks_fire_on_blocks():
+    m = fnn.ForgettingTransformerForCausalLM(tiny("fox_llama"))
+    ids = torch.randint(0, 53, (2, 6))
+    seen = []
+    hooks = [b.register_forward_hook(lambda mod, args, out, i=i: seen.append((i, out.shape)))
+             for i, b in enumerate(m.model.layers)]
+    m(ids)
+    assert seen == [(0, (2, 6, 32)), (1, (2, 6, 32))]
+    # a hook's return value replaces the block's output inside the C++ forward
+    hooks.append(m.model.layers[1].register_forward_hook(lambda mod, args, out: out * 0))
+    h = m.model(ids)
+    assert torch.allclose(h, torch.zeros_like(h))     # final RMSNorm of zeros
+    for hk in hooks:
+        hk.remove()
+    m.generate(ids[:, :2], max_new_tokens=2)          # the C++ loop calls back into Python
+
+
+@pytest.mark.parametrize("arch", ["fox_pro", "fox_llama"])
+def test_setattr_swaps_the_cpp_parameter(arch):
+    """module.weight = p (as fully_shard does) re-points the C++ module: forward reads p and the
+    gradient lands in p."""
+    torch.manual_seed(0)
+    cfg = tiny(arch, tie_word_embeddings=arch == "fox_llama")
+    m = fnn.ForgettingTransformerForCausalLM(cfg)
+    ids, labels = torch.randint(0, 53, (2, 6)), torch.randint(0, 53, (2, 6))
+    ref = m(ids, labels=labels).sum()
+    old, new = {}, {}
+    for name, mod in m.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            full = f"{name}.{pname}" if name else pname
+            old[full], new[full] = p, torch.nn.Parameter(p.detach().clone())
+            setattr(mod, pname, new[full])
+    assert all(a is new[k] for k, a in m.named_parameters())
+    assert m.model.layers[0].attn.q_proj.weight is new["model.layers.0.attn.q_proj.weight"]
+    loss = m(ids, labels=labels).sum()
+    assert torch.equal(loss, ref)
+    loss.backward()
+    assert all(new[k].grad is not None and old[k].grad is None for k in new)
+    with torch.no_grad():
+        new["model.norm.weight"].mul_(0)               # forward reads the new tensor
+    assert torch.allclose(m.model(ids), torch.zeros(2, 6, 32))
+    q = m.model.layers[0].attn.q_proj
+    with pytest.raises(RuntimeError, match="has shape"):
+        q.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(KeyError, match="fixed"):
+        q.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))

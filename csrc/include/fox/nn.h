@@ -8,4 +8,5 @@
 #include <fox/nn/mlp.h>
 #include <fox/nn/model.h>
 #include <fox/nn/norm.h>
+#include <fox/nn/parameters.h>
 #include <fox/nn/shift_linear.h>

@@ -128,3 +128,65 @@ TEST_CASE("Tied embeddings and padding row", "[nn][model]") {
   auto h = lm->model(torch::randint(0, 61, {1, 4}));
   CHECK(close(lm->logits(h), torch::matmul(h, lm->model->embeddings->weight.t()), 1e-5));
 }
+
+TEST_CASE("replace_parameter re-points every parameter, as FSDP2 swaps them", "[nn][model]") {
+  // Swap every parameter for a fresh tensor holding the same values: forward is unchanged and
+  // the gradients land in the new tensors (forward reads them), none in the old ones.
+  for (const char* arch : {"fox_pro", "fox_llama", "transformer_llama"}) {
+    SECTION(arch) {
+      torch::manual_seed(8);
+      auto cfg = fox_test::tiny_config(arch);
+      if (std::string(arch) == "fox_llama") cfg.tie_word_embeddings(true).fgate_type("bias_only");
+      ForgettingTransformerForCausalLM lm(cfg);
+      fox_test::randomize(*lm);
+      auto ids = torch::randint(0, 61, {2, 7});
+      auto before = lm(ids).detach();
+      std::vector<std::pair<torch::Tensor, torch::Tensor>> swapped;  // (old, new)
+      for (auto& m : lm->modules(/*include_self=*/true)) {
+        for (auto& p : m->named_parameters(/*recurse=*/false)) {
+          auto fresh = p.value().detach().clone().requires_grad_(true);
+          swapped.emplace_back(p.value(), fresh);
+          replace_parameter(*m, p.key(), fresh);
+        }
+      }
+      CHECK(swapped.size() == lm->parameters().size());
+      auto params = lm->parameters();
+      for (size_t i = 0; i < swapped.size(); ++i) CHECK(params[i].is_same(swapped[i].second));
+      auto out = lm(ids);
+      CHECK(close(out, before, 0.0));
+      out.square().sum().backward();
+      for (auto& [old, fresh] : swapped) {
+        CHECK(!old.grad().defined());
+        REQUIRE(fresh.grad().defined());
+        CHECK(fresh.grad().abs().sum().item<double>() > 0);
+      }
+    }
+  }
+  ForgettingTransformerForCausalLM lm(fox_test::tiny_config("fox_pro"));
+  auto& q = *lm->model->layers[0]->as<ForgettingTransformerBlockImpl>()->attn->q_proj;
+  CHECK_THROWS_WITH(replace_parameter(q, "weight", torch::zeros({3, 3})),
+                    Catch::Contains("has shape"));
+  CHECK_THROWS_WITH(replace_parameter(q, "scale", torch::zeros({3})),
+                    Catch::Contains("no parameter 'scale'"));
+}
+
+TEST_CASE("A block runner sees every block call, and clones run without it", "[nn][model]") {
+  torch::manual_seed(9);
+  ForgettingTransformerForCausalLM lm(fox_test::tiny_config("fox_pro"));
+  auto ids = torch::randint(0, 61, {2, 5});
+  auto expect = lm(ids);
+  std::vector<int64_t> calls;
+  lm->model->set_block_runner([&](int64_t i, const torch::Tensor& h, LayerCache* cache,
+                                  const std::optional<torch::Tensor>& start) {
+    calls.push_back(i);
+    return lm->model->layers[i]->as<ForgettingTransformerBlockImpl>()->forward(h, cache, start);
+  });
+  CHECK(close(lm(ids), expect, 0.0));
+  CHECK((calls == std::vector<int64_t>{0, 1}));
+  auto c = std::dynamic_pointer_cast<ForgettingTransformerForCausalLMImpl>(lm->clone());
+  CHECK(close(c->forward(ids), expect, 0.0));
+  CHECK(calls.size() == 2);
+  lm->model->set_block_runner(nullptr);
+  CHECK(close(lm(ids), expect, 0.0));
+  CHECK(calls.size() == 2);
+}

@@ -10,6 +10,7 @@
 //   model.norm.weight, lm_head.weight
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -133,10 +134,27 @@ class ForgettingTransformerModelImpl
   torch::Tensor forward_embeds(const torch::Tensor& inputs_embeds, KVCache* cache = nullptr,
                                const std::optional<torch::Tensor>& seq_start = std::nullopt);
 
+  /// Runs block i on h: block_runner(i, h, cache_layer_or_null, seq_start).
+  using BlockRunner = std::function<torch::Tensor(int64_t, const torch::Tensor&, LayerCache*,
+                                                  const std::optional<torch::Tensor>&)>;
+  /// When set, forward calls it for every block instead of calling the block itself, so that a
+  /// host can wrap each block call: Python runs the blocks through their nn.Module wrappers, where
+  /// forward hooks (FSDP2's per-block unshard/reshard) fire. Copies (clone()) start without it:
+  /// it calls back into the original's host.
+  void set_block_runner(BlockRunner runner) { block_runner_.fn = std::move(runner); }
+
   ForgettingTransformerConfig config;
   torch::nn::Embedding embeddings{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
+
+ private:
+  struct NotCopied {
+    BlockRunner fn;
+    NotCopied() = default;
+    NotCopied(const NotCopied&) {}
+    NotCopied& operator=(const NotCopied&) { return *this; }
+  } block_runner_;
 };
 TORCH_MODULE(ForgettingTransformerModel);
 

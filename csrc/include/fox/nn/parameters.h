@@ -1,0 +1,23 @@
+// Swapping a module's parameter for another tensor, as FSDP2 (torch.distributed.fsdp.fully_shard)
+// does: it replaces every parameter by a sharded DTensor, and around forward/backward by the
+// unsharded (all-gathered) tensor. A torch::nn module keeps each parameter twice, in its
+// registered parameters (what named_parameters() returns) and in the member its forward reads
+// (e.g. LinearImpl::weight); both must be re-pointed so that forward uses, and autograd
+// accumulates into, exactly the new tensor.
+#pragma once
+
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+namespace fox::nn {
+
+/// Replaces the registered parameter `name` (no dots: a direct parameter) of `module` by `value`
+/// and re-points the member that the module's forward reads. `value` must have the parameter's
+/// shape; it is stored as is (no copy, requires_grad untouched). Supported: the fox::nn modules
+/// and the torch::nn Linear and Embedding they contain; other modules throw.
+void replace_parameter(torch::nn::Module& module, const std::string& name,
+                       const torch::Tensor& value);
+
+}  // namespace fox::nn
