@@ -1,7 +1,8 @@
 // CUDA backend of the fox ops: the only CUDA file that touches ATen. It checks arguments (through
 // the shared checks of forgetting_attention.cpp), allocates outputs and workspaces, fills the POD
-// params and picks a kernel: split-KV decoding, the tensor-core forward (head dim 64/128,
-// fp16/bf16) or the generic kernels (any head dim, fp16/bf16/fp32).
+// params and picks a kernel: split-KV decoding, the tensor-core kernels (head dim 64/128,
+// fp16/bf16: the Hopper ones on sm_90a, the portable mma.sync ones elsewhere) or the generic
+// kernels (any head dim, fp16/bf16/fp32).
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -65,8 +66,10 @@ bool hopper_kernels_enabled() {
 }
 
 // Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.
-SplitKVParams plan_split_kv(const ForwardParams& p, const detail::IndexTensors& idx,
-                            int key_tile) {
+// blocks_per_sm: how many split blocks per SM the plan aims at (the kernel's occupancy and the
+// latency it needs hidden); FOX_SPLIT_BLOCKS_PER_SM overrides it (for tuning).
+SplitKVParams plan_split_kv(const ForwardParams& p, const detail::IndexTensors& idx, int key_tile,
+                            int blocks_per_sm) {
   SplitKVParams split;
   split.key_tile = key_tile;
   const int64_t kKeyTile = key_tile;
@@ -75,10 +78,13 @@ SplitKVParams plan_split_kv(const ForwardParams& p, const detail::IndexTensors& 
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (base_blocks >= 2 * sms) return split;
   const int64_t key_tiles = (p.seqlen_k + kKeyTile - 1) / kKeyTile;
-#ifndef FOX_SPLIT_BLOCKS_PER_SM
-#define FOX_SPLIT_BLOCKS_PER_SM 4
-#endif
-  const int64_t wanted_splits = (FOX_SPLIT_BLOCKS_PER_SM * sms + base_blocks - 1) / base_blocks;
+  static const int override_blocks = [] {
+    const char* v = std::getenv("FOX_SPLIT_BLOCKS_PER_SM");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (override_blocks > 0) blocks_per_sm = override_blocks;
+  // Whole waves: rounding down keeps the last wave full (a few leftover blocks would cost a wave).
+  const int64_t wanted_splits = std::max<int64_t>(1, blocks_per_sm * sms / base_blocks);
   int64_t tiles_per_split = std::max<int64_t>(4, (key_tiles + wanted_splits - 1) / wanted_splits);
   while ((key_tiles + tiles_per_split - 1) / tiles_per_split > 1024) tiles_per_split *= 2;
   const int64_t splits = (key_tiles + tiles_per_split - 1) / tiles_per_split;
@@ -117,9 +123,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const bool tensor_cores = type != ElementType::kFloat && fast_head_dim(p.head_dim) &&
                             rows_are_16_byte_aligned(qc) && rows_are_16_byte_aligned(kc) &&
                             rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(out);
-  SplitKVParams split = plan_split_kv(p, idx, tensor_cores ? 64 : 32);
+  const bool hopper = tensor_cores && hopper_kernels_enabled() && hopper_kernels_available();
+  auto f32 = q.options().dtype(at::kFloat);
+  // T of the Hopper kernels: per key-tile suffix sums of the gates (hopper_forward.cuh)
+  auto gate_suffix = [&] { return at::empty({k.size(0), p.num_heads, k.size(1)}, f32); };
+  // One Hopper block per SM (its shared memory): one wave of split blocks measured fastest.
+  SplitKVParams split = hopper ? plan_split_kv(p, idx, 128, 1)
+                               : plan_split_kv(p, idx, tensor_cores ? 64 : 32, 4);
   if (split.num_splits > 1) {
-    auto f32 = q.options().dtype(at::kFloat);
     auto out_partial = at::empty({split.num_splits, p.num_heads, split.total_rows, p.head_dim}, f32);
     auto lse_partial = at::empty({split.num_splits, p.num_heads, split.total_rows}, f32);
     auto carry = at::empty({p.batch, p.num_heads, split.num_splits}, f32);
@@ -130,7 +141,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
       if constexpr (!std::is_same_v<T, float>) {
         if (tensor_cores) {
           FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-            run_fast_split_kv_forward<T, kHeadDim>(p, split, stream);
+            if (hopper)
+              run_hopper_split_kv_forward<T, kHeadDim>(p, split, gate_suffix().data_ptr<float>(), stream);
+            else
+              run_fast_split_kv_forward<T, kHeadDim>(p, split, stream);
           });
           return;
         }
@@ -145,14 +159,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          bool done = false;
-          if (hopper_kernels_enabled()) {
-            auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, q.options().dtype(at::kFloat));
+          if (hopper) {
             const int64_t max_len_k = idx.cu_seqlens.has_value() ? max_len_q : p.seqlen_k;
-            done = run_hopper_forward<T, kHeadDim>(p, suffix.data_ptr<float>(), max_len_q, max_len_k,
-                                                   stream);
+            run_hopper_forward<T, kHeadDim>(p, gate_suffix().data_ptr<float>(), max_len_q, max_len_k,
+                                            stream);
+          } else {
+            run_fast_forward<T, kHeadDim>(p, max_len_q, stream);
           }
-          if (!done) run_fast_forward<T, kHeadDim>(p, max_len_q, stream);
         });
       }
     });
@@ -214,13 +227,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     if constexpr (!std::is_same_v<T, float>) {
       if (tensor_cores) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          bool done = false;
-          if (hopper_kernels_enabled()) {
+          if (hopper_kernels_enabled() && hopper_kernels_available()) {
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
-            done = run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q,
-                                                    max_len_k, stream);
+            run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,
+                                             stream);
+          } else {
+            run_fast_backward<T, kHeadDim>(p, ws, max_len_q, max_len_k, stream);
           }
-          if (!done) run_fast_backward<T, kHeadDim>(p, ws, max_len_q, max_len_k, stream);
         });
         return;
       }

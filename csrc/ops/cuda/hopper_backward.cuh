@@ -468,22 +468,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 namespace fox::cuda {
 
 template <typename T, int kHeadDim>
-bool run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
+void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream) {
   using namespace hopper;
   auto dkdv = dkdv_kernel<T, kHeadDim>;
   auto dq = dq_kernel<T, kHeadDim>;
-  static const bool available = [&] {
-    cudaFuncAttributes attr;
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    const bool ok = major == 9 && cudaFuncGetAttributes(&attr, dkdv) == cudaSuccess &&
-                    attr.binaryVersion == 90;
-    cudaGetLastError();  // a failed query is not an error of a later launch
-    return ok;
-  }();
-  if (!available) return false;
   const int64_t total_rows = (p.cu_seqlens ? 1 : p.batch) * p.seqlen_q;
   const int64_t delta_warps = total_rows * p.num_heads;
   if (delta_warps > 0)
@@ -507,7 +496,6 @@ bool run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   }
   if (p.batch * p.num_heads > 0)
     generic::gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
-  return true;
 }
 
 }  // namespace fox::cuda

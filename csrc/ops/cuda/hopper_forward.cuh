@@ -21,6 +21,8 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "common.cuh"
+#include "generic_kernels.cuh"
+#include "launch.h"
 #include "mma.cuh"
 
 namespace fox::cuda::hopper {
@@ -160,9 +162,13 @@ struct ForwardSmem {
 template <int kHeadDim>
 constexpr int kMinBlocks = 1;  // two blocks of head dim 64 would cap registers at 128: spills
 
-template <typename T, int kHeadDim>
+// kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
+// writes a partial result in fp32 with its log2-domain lse, merged by
+// generic::split_combine_kernel); num_tiles is then the number of chunks.
+template <typename T, int kHeadDim, bool kSplit>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
-    forward_kernel(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles) {
+    forward_kernel(const ForwardParams p, const SplitKVParams split,
+                   const float* __restrict__ suffix, int64_t num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
@@ -182,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 
   // Largest tiles first: tile index reversed so the causal tail is short.
   const int64_t b = blockIdx.x;
-  const int64_t tile = num_tiles - 1 - b % num_tiles;
+  const int64_t tile = kSplit ? 0 : num_tiles - 1 - b % num_tiles;
   const int64_t h = (b / num_tiles) % p.num_heads;
   const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
   const int64_t i0 = tile * kBlockM;
@@ -192,7 +198,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const int64_t kt_hi = L / kBlockN, kt_lo = s.first_key / kBlockN;
+  const int64_t kt_top = L / kBlockN;  // the tile of the diagonal
+  int64_t kt_hi = kt_top, kt_lo = s.first_key / kBlockN;
+  if constexpr (kSplit) {  // this block's chunk of key tiles
+    const int64_t chunk = b % num_tiles;
+    kt_hi = min64(kt_hi, (chunk + 1) * split.tiles_per_split - 1);
+    kt_lo = max64(kt_lo, chunk * split.tiles_per_split);
+  }
+  // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
+  const bool wg_live = 64 * wg < nq;
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
   auto load_suffix = [&](float* dst, int64_t j0) {
     if (threadIdx.x < kBlockN) {
@@ -222,7 +236,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const int64_t pos = min64(a + row_of(hi), L);
     rq[hi] = ((pos / kBlockN == ta ? c_a : c_above) - T_[pos]) * kLog2e;
   }
-  float carry = kt_hi == ta ? c_a : c_above;  // C of tile kt
+  float carry = kt_top == ta ? c_a : c_above;  // C of tile kt
+  if (kt_hi < kt_top) {  // a chunk below the diagonal: C_{t-1} = C_t - T_t[t * 128] down to kt_hi
+    float sum = 0.f;
+    for (int64_t u = kt_hi + 1 + lane; u <= kt_top; u += 32) sum += T_[u * kBlockN];
+    carry -= warp_sum(sum);  // the same bits in every warp
+  }
 
   float o[kHeadDim / 2];
 #pragma unroll
@@ -250,6 +269,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       cp_async_commit();
     }
 
+    if (!wg_live) {
+      carry -= Tk[0];
+      continue;
+    }
     // S = Q K^T for this warpgroup's 64 rows x 128 keys.
     float sc[kBlockN / 2];
     cute::warpgroup_arrive();
@@ -359,6 +382,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const bool empty = row_sum[hi] == 0.f;
     const float inv = empty ? 0.f : 1.f / row_sum[hi];
     const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]);
+    if constexpr (kSplit) {
+      const int64_t row = s.batch_index * p.seqlen_q + s.row_q + i0 + r;
+      const int64_t slot = ((b % num_tiles) * p.num_heads + h) * split.total_rows + row;
+      float* out = split.out_partial + slot * kHeadDim;
+#pragma unroll
+      for (int n = 0; n < kDimChunks; ++n)
+        *reinterpret_cast<float2*>(out + n * 8 + quad * 2) =
+            make_float2(o[4 * n + 2 * hi] * inv, o[4 * n + 2 * hi + 1] * inv);
+      if (quad == 0) split.lse_partial[slot] = lse2;
+      continue;
+    }
     T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride +
              (s.row_q + i0 + r) * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
@@ -375,33 +409,36 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 namespace fox::cuda {
 
 template <typename T, int kHeadDim>
-bool run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
                         int64_t max_len_k, cudaStream_t stream) {
   using namespace hopper;
-  auto kernel = forward_kernel<T, kHeadDim>;
-  // Only where this binary carries sm_90a code for the device (not sm_80 code run on a Hopper GPU).
-  static const bool available = [&] {
-    cudaFuncAttributes attr;
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    const bool ok = major == 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-                    attr.binaryVersion == 90;
-    cudaGetLastError();  // a failed query is not an error of a later launch
-    return ok;
-  }();
-  if (!available) return false;
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
-  if (key_tiles * p.num_heads * p.batch == 0) return true;
+  if (key_tiles * p.num_heads * p.batch == 0) return;
   gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
       p, gate_suffix, key_tiles);
   const int64_t tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = tiles * p.num_heads * p.batch;
-  if (blocks == 0) return true;
+  if (blocks == 0) return;
+  auto kernel = forward_kernel<T, kHeadDim, false>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, gate_suffix, tiles);
-  return true;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles);
+}
+
+template <typename T, int kHeadDim>
+void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,
+                                 float* gate_suffix, cudaStream_t stream) {
+  using namespace hopper;
+  const int64_t key_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
+      p, gate_suffix, key_tiles);
+  auto kernel = forward_kernel<T, kHeadDim, true>;
+  constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const int64_t blocks = split.num_splits * p.num_heads * p.batch;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, split, gate_suffix, split.num_splits);
+  generic::split_combine_kernel<T>
+      <<<static_cast<unsigned>(split.total_rows * p.num_heads), 128, 0, stream>>>(p, split);
 }
 
 }  // namespace fox::cuda

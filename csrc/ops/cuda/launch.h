@@ -48,17 +48,18 @@ template <typename T, int kHeadDim>
 void run_fast_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,
                                cudaStream_t stream);
 
-// Hopper forward (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16. Returns false (and launches
-// nothing) where the device is not a Hopper GPU or the build has no sm_90a code. `gate_suffix` is
-// a float32 workspace laid out like the keys' gates, (batch, num_heads, seqlen_k).
+// Hopper kernels (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16. Usable where the device is
+// a Hopper GPU and the build carries sm_90a code for it. `gate_suffix` is a float32 workspace laid
+// out like the keys' gates, (batch, num_heads, seqlen_k).
+bool hopper_kernels_available();
 template <typename T, int kHeadDim>
-bool run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
                         int64_t max_len_k, cudaStream_t stream);
-
-// Hopper backward (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16; false where unavailable, as
-// run_hopper_forward. `gate_suffix` as there.
 template <typename T, int kHeadDim>
-bool run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
+void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,
+                                 float* gate_suffix, cudaStream_t stream);
+template <typename T, int kHeadDim>
+void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream);
 
 // Tensor-core backward for head_dim 64 and 128, fp16/bf16.

@@ -2,6 +2,6 @@
 #include "../hopper_backward.cuh"
 
 namespace fox::cuda {
-template bool run_hopper_backward<__nv_bfloat16, 64>(const BackwardParams&, const BackwardWorkspace&, float*,
+template void run_hopper_backward<__nv_bfloat16, 64>(const BackwardParams&, const BackwardWorkspace&, float*,
                                                int64_t, int64_t, cudaStream_t);
 }  // namespace fox::cuda

@@ -1,0 +1,54 @@
+// Whether the Hopper kernels can run on the current device: a Hopper GPU, and sm_90a code for it in
+// this build (sm_90 code without the "a" features would compile the wgmma kernels to nothing).
+#include <atomic>
+
+#include <cuda_runtime.h>
+
+#include "launch.h"
+
+namespace fox::cuda {
+namespace {
+
+__global__ void sm90a_probe(int* flag) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *flag = 1;
+#endif
+}
+
+bool probe_device(int device) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      major != 9)
+    return false;
+  int* flag = nullptr;
+  int host = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+  // Once per device and process: a tiny launch and a synchronizing copy.
+  if (cudaMemset(flag, 0, sizeof(int)) == cudaSuccess) {
+    sm90a_probe<<<1, 1>>>(flag);
+    if (cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) host = 0;
+  }
+  cudaFree(flag);
+  return host == 1;
+}
+
+}  // namespace
+
+bool hopper_kernels_available() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int known = cache[device].load();
+  if (known == 0) {
+    known = probe_device(device) ? 1 : -1;
+    cudaGetLastError();  // a failed probe is not an error of a later launch
+    cache[device].store(known);
+  }
+  return known > 0;
+}
+
+}  // namespace fox::cuda
