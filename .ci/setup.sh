@@ -14,7 +14,7 @@ fi
 
 # torch 2.14.1 is the CUDA 13.0 build: CI compiles and links the CUDA kernels against it.
 python3 -m pip install -q --disable-pip-version-check \
-  torch==2.14.1 numpy==2.4.1 ninja==1.13.2 cmake==4.4.4 \
+  torch==2.14.1 numpy==2.4.1 ninja==1.13.2 cmake==4.4.4 nvidia-cutlass==4.2.0.0 \
   pytest==9.0.3 expecttest==0.3.0 setuptools==84.2.1 matplotlib==3.11.2 pyyaml==6.0.3
 
 source .ci/env.sh

@@ -154,6 +154,30 @@ def bench_decode(B=1, H=16, D=128, Tk=32768, Tq=1):
             "sdpa_gbs": kv_bytes / sdpa / 1e6}
 
 
+def bench_memory(N=65536, H=16, D=128):
+    """Peak memory (MiB above the inputs) of one forward+backward, B=1, bf16, causal."""
+    dev, dt = "cuda", torch.bfloat16
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    q, k, v = (torch.randn(1, N, H, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    g = gates(1, N, H, dev).requires_grad_()
+    do = torch.randn_like(q)
+    ours = peak(lambda: op(q, k, v, g, None, None, None, None).backward(do))
+    qh, kh, vh, doh = (x.detach().transpose(1, 2).contiguous() for x in (q, k, v, do))
+    for x in (qh, kh, vh):
+        x.requires_grad_()
+    sdpa = peak(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).backward(doh))
+    return ours, sdpa
+
+
 # ---- large checks against the float64 reference ---------------------------------------------------
 
 def check_case(name, B, Tq, Tk, H, Hkv, D, dtype, regime="mixed", seq_start=None, cu_seqlens=None,
@@ -249,10 +273,17 @@ def main():
                   f"{f('flex_fwd_tf')} | {f('sdpa_fwd_tf')} | {f('ours_fb_tf')} | {f('ours_fb_tf', acp)} | "
                   f"{f('flex_fb_tf')} | {f('sdpa_fb_tf')} | {ratio('ours_fwd_tf', 'flex_fwd_tf')} | "
                   f"{ratio('ours_fb_tf', 'flex_fb_tf')} | {ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |", flush=True)
-    d = bench_decode()
-    print(f"\ndecode B=1 H=16 D=128 Tq=1 Tk=32k bf16: ours {d['ours_ms'] * 1e3:.1f} us "
-          f"({d['ours_gbs']:.0f} GB/s of K+V), SDPA {d['sdpa_ms'] * 1e3:.1f} us ({d['sdpa_gbs']:.0f} GB/s), "
-          f"ours/SDPA time {d['ours_ms'] / d['sdpa_ms']:.2f}", flush=True)
+    print()
+    for B, Tk in ((1, 32768), (8, 32768), (1, 131072)):
+        d = bench_decode(B=B, Tk=Tk)
+        print(f"decode B={B} H=16 D=128 Tq=1 Tk={Tk // 1024}k bf16: ours {d['ours_ms'] * 1e3:.1f} us "
+              f"({d['ours_gbs']:.0f} GB/s of K+V), SDPA {d['sdpa_ms'] * 1e3:.1f} us ({d['sdpa_gbs']:.0f} GB/s), "
+              f"ours/SDPA time {d['ours_ms'] / d['sdpa_ms']:.2f}", flush=True)
+    if not args.quick:
+        torch.cuda.empty_cache()
+        ours, sdpa = bench_memory()
+        print(f"\npeak memory of fwd+bwd, B=1 H=16 D=128 N=64k bf16 (MiB above the inputs): ours "
+              f"{ours:.0f}, SDPA {sdpa:.0f}, ratio {ours / sdpa:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -669,3 +669,31 @@ def test_pruning_threshold_tolerance_form(device):
     assert (pruned - exact).abs().max().item() <= 2 * eps * v.abs().max().item()
     with pytest.raises(ValueError, match="tolerance"):
         forgetting_transformer.pruning_threshold(q, k, 0.0)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 32), (torch.bfloat16, 64), (torch.bfloat16, 128)])
+def test_pruned_tiles_are_not_computed(device, dtype, D):
+    """Pruning really skips work: keys poisoned with NaN far in the past of fast-forgetting heads
+    reach every later row without pruning (0 * NaN), and no row whose tiles with them are pruned
+    (forward and dQ; every kernel: generic, tensor-core and the CPU one)."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("one CPU case is enough")
+    torch.manual_seed(0)
+    B, T, H = 1, 2048, 2
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype) for _ in range(3))
+    k[:, :256] = float("nan")
+    v[:, :256] = float("nan")
+    log_fgate = torch.full((B, T, H), -1.0, device=device)  # bias -(i - j)
+    far = slice(1024, None)  # rows at least ~500 positions past every poisoned tile
+
+    def run(threshold):
+        qq, kk, vv, gg = (x.clone().requires_grad_() for x in (q, k, v, log_fgate))
+        out = forgetting_transformer.forgetting_attention(qq, kk, vv, gg, adaptive_threshold=threshold)
+        out[:, far].float().sum().backward()
+        return out.detach(), qq.grad
+
+    out, dq = run(None)
+    assert out[:, far].isnan().any() and dq[:, far].isnan().any()  # the poison does reach them
+    out, dq = run(-30.0)
+    assert torch.isfinite(out[:, far]).all()
+    assert torch.isfinite(dq[:, far]).all()

@@ -159,8 +159,13 @@ struct ForwardSmem {
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
+// Blocks per SM: for head dim 64 two blocks fit in shared memory; their softmax and matrix work
+// overlap, at the price of a 128-register cap.
+#ifndef FOX_HOPPER_FWD_MIN_BLOCKS_64
+#define FOX_HOPPER_FWD_MIN_BLOCKS_64 2
+#endif
 template <int kHeadDim>
-constexpr int kMinBlocks = 1;  // two blocks of head dim 64 would cap registers at 128: spills
+constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
 // writes a partial result in fp32 with its log2-domain lse, merged by
