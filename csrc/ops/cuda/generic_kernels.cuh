@@ -300,32 +300,49 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
+// Merges the chunks of split-KV decoding: one block per (row, head). The chunks' weights are
+// computed once into shared memory (the plan caps the chunks at 1024); reductions in a fixed order.
 template <typename T>
 __global__ void __launch_bounds__(128)
     split_combine_kernel(const ForwardParams p, const SplitKVParams split) {
+  constexpr int kMaxSplits = 1024;
+  __shared__ float weight[kMaxSplits];
+  __shared__ float partial[4];
   const int64_t row = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
   const int64_t b = row / p.seqlen_q, t = row % p.seqlen_q;
   const int D = static_cast<int>(p.head_dim);
-  float max_lse = -INFINITY;
-  for (int c = 0; c < split.num_splits; ++c)
-    max_lse = fmaxf(max_lse, split.lse_partial[(c * p.num_heads + h) * split.total_rows + row]);
-  float total = 0.f;
-  for (int c = 0; c < split.num_splits; ++c) {
-    const float l = split.lse_partial[(c * p.num_heads + h) * split.total_rows + row];
-    total += max_lse == -INFINITY ? 0.f : exp2f(l - max_lse);
+  const int S = split.num_splits, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto slot = [&](int c) { return (c * p.num_heads + h) * split.total_rows + row; };
+  // block-wide max / sum: xor butterflies in each warp, then the 4 warps in order
+  auto block_reduce = [&](float x, bool is_max) {
+    x = is_max ? warp_max(x) : warp_sum(x);
+    __syncthreads();  // `partial` is free again
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    x = partial[0];
+    for (int w = 1; w < 4; ++w) x = is_max ? fmaxf(x, partial[w]) : x + partial[w];
+    return x;
+  };
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < S; c += blockDim.x) {
+    weight[c] = split.lse_partial[slot(c)];
+    m = fmaxf(m, weight[c]);
   }
+  const float max_lse = block_reduce(m, true);
+  float sum = 0.f;
+  for (int c = threadIdx.x; c < S; c += blockDim.x) {
+    weight[c] = max_lse == -INFINITY ? 0.f : exp2f(weight[c] - max_lse);
+    sum += weight[c];
+  }
+  const float total = block_reduce(sum, false);  // (its barriers publish `weight` too)
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + t * p.o_row_stride + h * p.o_head_stride;
+  const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
-    if (total > 0.f) {
-      for (int c = 0; c < split.num_splits; ++c) {
-        const int64_t base = (c * p.num_heads + h) * split.total_rows + row;
-        const float w = exp2f(split.lse_partial[base] - max_lse);
-        if (w > 0.f) acc += w * split.out_partial[base * D + d];
-      }
-      acc /= total;
-    }
-    out[d] = from_float<T>(acc);
+#pragma unroll 8
+    for (int c = 0; c < S; ++c)
+      if (weight[c] > 0.f) acc += weight[c] * split.out_partial[slot(c) * D + d];
+    out[d] = from_float<T>(acc * inv);
   }
   if (threadIdx.x == 0)
     static_cast<float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + t] =
