@@ -61,7 +61,8 @@ class Distributed:
         if self.world > 1 and not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            # gloo next to nccl: the loss sums and checkpoint gathers run on CPU tensors
+            dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
             self.owned = True
         if self.world > 1:
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
