@@ -462,3 +462,34 @@ def test_tensorboard_events(tmp_path, monkeypatch):
     out2 = tmp_path / "tb2"
     assert cli.main(["train", *MICRO, "--steps", "2", "--out-dir", str(out2)]) == 0
     assert not (out2 / "tensorboard").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_torchrun_two_gpus(tmp_path, mode):
+    """2 GPUs (nccl) under torchrun, DDP or FSDP2, against 1 GPU on the same global batch: the
+    same losses (float32: only the reduction order differs)."""
+    flags = [*MICRO, "--device", "cuda", "--dtype", "fp32", "--steps", "6", "--batch-size", "4",
+             "--micro-batch-size", "1", "--log-interval", "1", "--eval-interval", "0",
+             "--checkpoint-interval", "3"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["--fsdp"] if mode == "fsdp" else []
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(port),
+                        "-m", "forgetting_transformer", "train", *flags, *extra,
+                        "--out-dir", str(tmp_path / mode)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli.main(["train", *flags, "--out-dir", str(tmp_path / "one")]) == 0
+    many, one = _losses(tmp_path / mode), _losses(tmp_path / "one")
+    assert [s for s, _, _ in many] == list(range(1, 7))
+    for a, b in zip(many, one):
+        assert a[1] == pytest.approx(b[1], abs=1e-3) and a[2] == pytest.approx(b[2], abs=1e-3)
+    assert many[-1][1] < many[0][1]  # it learns
+    assert json.load(open(tmp_path / mode / "run_info.json"))["world_size"] == 2
