@@ -16,7 +16,8 @@ from forgetting_transformer import cli
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.cli.train import models_from_checkpoint
 
-FLAGS = ["--preset", "micro", "--threads", "1", "--steps", "6", "--batch-size", "4",
+# CPU (gloo) even where GPUs exist: test_cli.py's two-GPU test covers nccl.
+FLAGS = ["--preset", "micro", "--device", "cpu", "--threads", "1", "--steps", "6", "--batch-size", "4",
          "--micro-batch-size", "1", "--log-interval", "1", "--eval-interval", "3",
          "--checkpoint-interval", "3"]
 
@@ -46,9 +47,11 @@ def test_fully_shard_one_process(one_process_group, tmp_path):
     ref = fnn.ForgettingTransformerForCausalLM(tiny())
     model = fnn.ForgettingTransformerForCausalLM(tiny())
     model.load_state_dict(ref.state_dict())
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))  # (the default mesh would follow a GPU if there is one)
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert isinstance(model.model.layers[1].attn.q_proj.weight, DTensor)
     # as block 1 starts, its parameters are unsharded, block 0's resharded again
