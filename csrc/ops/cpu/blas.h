@@ -67,14 +67,6 @@ inline void gemm_atb(int64_t rows, int64_t cols, int64_t inner, T alpha, const T
   blas_gemm('N', 'T', cols, rows, inner, alpha, b, ldb, a, lda, beta, c, ldc);
 }
 
-// float32 on the same micro-kernel family: C (m x n) = A (m x k) * B (k x n) (+ C if accumulate),
-// all row-major. Measured 110-115 GFLOP/s per core on 256x128x64 tiles against MKL sgemm's 90-100
-// (AVX-512, one thread); where oneDNN is off it falls back to ATen's gemm.
-inline void gemm_f32_rows(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
-}
-
 // C (m x n, row-major, ldc) = A (m x k, row-major bf16, lda) * B (+ C if accumulate), with B in
 // VNNI layout: k/2 row pairs of ldb interleaved pairs each. k must be even (callers zero-pad).
 // oneDNN JIT-compiles and caches one kernel per shape and thread, so callers keep the shapes few.

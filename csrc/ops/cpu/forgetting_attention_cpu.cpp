@@ -28,9 +28,6 @@ bool use_bf16_gemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // one a JIT-compiled kernel, cached per thread) arise across sequence lengths.
 int64_t padded_ld(int64_t n) { return (n + 255) / 256 * 256; }
 
-// x (batch, rows, heads, D) -> (batch, heads, D, ld): x^T, zero columns after the end.
-at::Tensor pack_columns(const at::Tensor& x, int64_t ld);
-
 // x (batch, rows, heads, D) -> (batch, heads, D/2, ld, 2): x^T with head-dim pairs interleaved.
 at::Tensor pack_transposed(const at::Tensor& x) {
   const int64_t B = x.size(0), N = x.size(1), H = x.size(2), D = x.size(3);
@@ -95,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                 detail::resolve_scale(sm_scale, q.size(3)), adaptive_threshold);
     if (bf16) {
       const auto kt = pack_transposed(kc), vp = pack_row_pairs(vc, k.size(1) / 2 + 1);
-      Packed<BFloat16> packed;
+      PackedBf16 packed;
       packed.kt = bf16_ptr(kt);
       packed.vp = bf16_ptr(vp);
       packed.ld_t = kt.size(3);
@@ -104,11 +101,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     } else if (dtype == at::kDouble) {
       forward_kernel<double>(p);
     } else {
-      const auto kt = pack_columns(kc, padded_ld(k.size(1)));
-      Packed<float> packed;
-      packed.kt = kt.const_data_ptr<float>();
-      packed.ld_t = kt.size(3);
-      forward_kernel<float>(p, &packed);
+      forward_kernel<float>(p);
     }
   } else {
     lse.fill_(-std::numeric_limits<double>::infinity());
@@ -151,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const auto kt = pack_transposed(kc), vt = pack_transposed(vc), kd = pack_doubled_rows(kc);
       const auto ld_qt = padded_ld(q.size(1) + 1);
       const auto qtd = pack_doubled_columns(qc, ld_qt), dot = pack_columns(doc, ld_qt);
-      Packed<BFloat16> packed;
+      PackedBf16 packed;
       packed.kt = bf16_ptr(kt);
       packed.vt = bf16_ptr(vt);
       packed.kd = bf16_ptr(kd);
@@ -165,18 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       backward_kernel<double>(p, dc.data_ptr<double>(), delta.data_ptr<double>(),
                               rowsum.data_ptr<double>());
     } else {
-      const auto ld_t = padded_ld(k.size(1)), ld_qt = padded_ld(q.size(1));
-      const auto kt = pack_columns(kc, ld_t), vt = pack_columns(vc, ld_t);
-      const auto qt = pack_columns(qc, ld_qt), dot = pack_columns(doc, ld_qt);
-      Packed<float> packed;
-      packed.kt = kt.const_data_ptr<float>();
-      packed.vt = vt.const_data_ptr<float>();
-      packed.qt = qt.const_data_ptr<float>();
-      packed.dot = dot.const_data_ptr<float>();
-      packed.ld_t = ld_t;
-      packed.ld_qt = ld_qt;
       backward_kernel<float>(p, dc.data_ptr<float>(), delta.data_ptr<float>(),
-                             rowsum.data_ptr<float>(), &packed);
+                             rowsum.data_ptr<float>());
     }
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()),

@@ -34,27 +34,22 @@ using BFloat16 = c10::BFloat16;
 template <typename In>
 using AccOf = std::conditional_t<std::is_same_v<In, double>, double, float>;
 
-// Copies of K, V (and Q, dO for the backward) in the layouts the micro-kernels want (no
-// transposed operands), made by the backend (O(N*D) memory, one pass). Rows are absolute rows of
-// the tensors. float32 uses kt, vt, qt, dot; bf16 uses kt, vt, vp, dot, kd, qtd.
-template <typename E>
-struct Packed {
-  // float32: (batch, kv_heads, D, ld_t): K^T and V^T.
-  // bf16: (batch, kv_heads, D/2, ld_t, 2): the same with head-dim pairs interleaved (VNNI).
-  // B of q.k and dO.v
-  const E* kt = nullptr;
-  const E* vt = nullptr;
+// bf16 inputs: copies of K, V (and Q, dO for the backward) in the layouts of the bf16 GEMM, made
+// by the backend (O(N*D) memory, one pass). Rows are absolute rows of the tensors.
+struct PackedBf16 {
+  // (batch, kv_heads, D/2, ld_t, 2): K^T and V^T, head-dim pairs interleaved (B of q.k, dO.v)
+  const BFloat16* kt = nullptr;
+  const BFloat16* vt = nullptr;
   // (batch, kv_heads, pairs, D, 2): V, key-row pairs interleaved, zero rows after the end (B of P.V)
-  const E* vp = nullptr;
-  // (batch, heads, D, ld_qt): Q^T and dO^T, zero columns after the end (A of dS^T.Q, P^T.dO)
-  const E* qt = nullptr;
-  const E* dot = nullptr;
+  const BFloat16* vp = nullptr;
+  // (batch, heads, D, ld_qt): dO^T, zero columns after the end (A of P^T.dO)
+  const BFloat16* dot = nullptr;
   // dS is not rounded to bf16 but split into hi + lo (dS's rounding alone doubled the dQ error of
   // the float32 path): the products with dS run over pairs (hi, lo) against a pair (x, x).
   // (batch, kv_heads, seqlen_k, D, 2): K with each element twice (B of dS.K)
-  const E* kd = nullptr;
+  const BFloat16* kd = nullptr;
   // (batch, heads, D, 2 * ld_qt): Q^T with each element twice (A of dS^T.Q)
-  const E* qtd = nullptr;
+  const BFloat16* qtd = nullptr;
   int64_t ld_t = 0, pairs = 0, ld_qt = 0;
 };
 
@@ -169,7 +164,7 @@ struct TileGemms {
   const In* dout = nullptr;  // dO rows of the sequence and head (backward)
   int64_t lddo = 0, D;
 
-  TileGemms(const ForwardParams& p, const Packed<In>*) : D(p.head_dim) {}
+  TileGemms(const ForwardParams& p, const PackedBf16*) : D(p.head_dim) {}
   void bind(const ForwardParams& p, const SequenceView& s, int64_t h, const In* dout_rows,
             int64_t ld_dout) {
     hv = head_view<In>(p, s, h);
@@ -198,52 +193,17 @@ struct TileGemms {
 };
 
 template <>
-struct TileGemms<float> {  // float32: the micro-kernel on the tensors and on kt, vt, qt, dot
-  const Packed<float>& pk;
-  int64_t D;
-  HeadView<float> hv;
-  const float *kt = nullptr, *vt = nullptr, *qt = nullptr, *dot = nullptr;
-
-  TileGemms(const ForwardParams& p, const Packed<float>* packed) : pk(*packed), D(p.head_dim) {}
-  void bind(const ForwardParams& p, const SequenceView& s, int64_t h, const float*, int64_t) {
-    hv = head_view<float>(p, s, h);
-    const int64_t kvh = s.batch_index * p.num_kv_heads + h / p.heads_per_kv_head();
-    const int64_t qh = s.batch_index * p.num_heads + h;
-    auto at = [](const float* base, int64_t offset) { return base ? base + offset : nullptr; };
-    kt = at(pk.kt, kvh * D * pk.ld_t + s.row_k);
-    vt = at(pk.vt, kvh * D * pk.ld_t + s.row_k);
-    qt = at(pk.qt, qh * D * pk.ld_qt + s.row_q);
-    dot = at(pk.dot, qh * D * pk.ld_qt + s.row_q);
-  }
-  void scores(const float* a, int64_t lda, int64_t nq, Operand o, int64_t j0, int64_t nk, float* x,
-              int64_t ldx) {
-    gemm_f32_rows(nq, nk, D, a, lda, (o == Operand::K ? kt : vt) + j0, pk.ld_t, x, ldx, false);
-  }
-  void times(const float* x, int64_t ldx, int64_t nq, Operand o, int64_t j0, int64_t nk, float* c,
-             int64_t ldc) {
-    const float* b = o == Operand::K ? hv.k + j0 * hv.ldk : hv.v + j0 * hv.ldv;
-    gemm_f32_rows(nq, D, nk, x, ldx, b, o == Operand::K ? hv.ldk : hv.ldv, c, ldc, true);
-  }
-  void grads_kv(int64_t i0, int64_t nq, int64_t nk, const float* P, const float* dS, int64_t ld,
-                float* dkT, float* dvT) {
-    gemm_f32_rows(D, nk, nq, dot + i0, pk.ld_qt, P, ld, dvT, kBlockK, true);
-    gemm_f32_rows(D, nk, nq, qt + i0, pk.ld_qt, dS, ld, dkT, kBlockK, true);
-  }
-  void done() {}
-};
-
-template <>
 struct TileGemms<BFloat16> {
   using Acc = float;
   static constexpr int64_t kLdX = kBlockK + 2;  // bf16 copy of a float tile, one pad pair
-  const Packed<BFloat16>& pk;
+  const PackedBf16& pk;
   int64_t D, row_k = 0;
   const BFloat16 *kt = nullptr, *vt = nullptr, *vp = nullptr, *dot = nullptr;
   const BFloat16 *kd = nullptr, *qtd = nullptr;
   std::vector<uint16_t> xb, pv, sv;  // bf16 tiles: X (row-major or split); VNNI P; split dS
   std::vector<float> zeros;
 
-  TileGemms(const ForwardParams& p, const Packed<BFloat16>* packed)
+  TileGemms(const ForwardParams& p, const PackedBf16* packed)
       : pk(*packed), D(p.head_dim), xb(kBlockQ * 2 * kLdX), pv((kBlockQ / 2 + 1) * kBlockK * 2),
         sv(kBlockQ * kBlockK * 2), zeros(kBlockK, 0.f) {}
 
@@ -306,7 +266,7 @@ struct TileGemms<BFloat16> {
 // Forward: one task per (sequence, head, query tile). Key tiles are visited from the diagonal
 // backwards so that R of the keys extends the walk from the anchor, and pruning is a `break`.
 template <typename In>
-void forward_kernel(const ForwardParams& p, const Packed<In>* packed = nullptr) {
+void forward_kernel(const ForwardParams& p, const PackedBf16* packed = nullptr) {
   using Acc = AccOf<In>;
   const int64_t D = p.head_dim, H = p.num_heads;
   const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
@@ -402,7 +362,7 @@ template <typename In>
 void backward_kernel(const BackwardParams& p, AccOf<In>* dc /* (batch, heads, seqlen_k) scratch */,
                      AccOf<In>* delta_buf /* (batch, heads, seqlen_q) scratch */,
                      AccOf<In>* rowsum_buf /* (batch, heads, seqlen_q) scratch */,
-                     const Packed<In>* packed = nullptr) {
+                     const PackedBf16* packed = nullptr) {
   using Acc = AccOf<In>;
   const int64_t D = p.head_dim, H = p.num_heads, Hkv = p.num_kv_heads;
   const int64_t group = p.heads_per_kv_head();
@@ -490,7 +450,7 @@ void backward_kernel(const BackwardParams& p, AccOf<In>* dc /* (batch, heads, se
     std::vector<Acc> P, dP, dkT, dvT;
     std::vector<Bias> Rk, Rq;
     std::vector<Acc> delta, colsum;
-    TileBuffers(const ForwardParams& p, const Packed<In>* packed)
+    TileBuffers(const ForwardParams& p, const PackedBf16* packed)
         : gemms(p, packed), P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK),
           dkT(p.head_dim * kBlockK), dvT(p.head_dim * kBlockK), Rk(kBlockK), Rq(kBlockQ),
           delta(kBlockQ), colsum(kBlockK) {}
