@@ -2,8 +2,12 @@
 
 Each step draws one batch (a pure function of seed and step) and takes one optimizer step of
 every model on it: AdamW (betas 0.9/0.95, weight decay on matrices only), gradient clipping,
-linear warmup then cosine decay. Checkpoints (models, optimizers, data state) are written
-atomically; ``--resume`` continues bitwise-identically on CPU.
+linear warmup then cosine decay. Every ``checkpoint_interval`` steps a checkpoint directory
+checkpoints/step_XXXXXXX/ is written: per model <arch>/config.json + <arch>/model.safetensors (the
+Hugging Face format of save_pretrained / from_pretrained) and trainer_state.pt (optimizer states,
+step, config, RNG, data state). It is built under a temporary name and renamed into place, then
+the pointer checkpoints/last is replaced, so a kill leaves the previous checkpoint intact;
+``--resume`` continues from the pointed-at one bitwise-identically on CPU.
 
 Data parallel: under ``torchrun --nproc_per_node N`` (WORLD_SIZE > 1) every model is wrapped in
 DistributedDataParallel (gloo on CPU, nccl on CUDA, one GPU per LOCAL_RANK). Every rank draws the
@@ -22,6 +26,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 import warnings
@@ -32,7 +38,9 @@ import torch
 from . import config as cfgmod
 from .data import ByteCorpus, make_corpus
 
-CHECKPOINT_FORMAT = "fox_torch.cli/1"
+# /2: a directory of safetensors (per model) + trainer_state.pt; /1: one torch.save file.
+CHECKPOINT_FORMAT = "fox_torch.cli/2"
+CHECKPOINT_FORMATS = ("fox_torch.cli/1", CHECKPOINT_FORMAT)
 # Keys that define the models and the data stream: a resumed run must agree on them.
 STRUCTURAL_KEYS = ("models", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads",
                    "hidden_ratio", "rope_base", "seq_len", "batch_size", "seed", "val_fraction",
@@ -222,30 +230,111 @@ def lr_at(step: int, peak: float, cfg) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def atomic_save(obj, path: str):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+POINTER = "last"                      # checkpoints/last: the name of the newest step directory
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+TMP_PREFIX = ".tmp-"                   # directories being written; never read, removed on start
+TRAINER_STATE = "trainer_state.pt"
 
 
 def checkpoint_dir(out_dir: str) -> str:
     return os.path.join(out_dir, "checkpoints")
 
 
+def _write_text_atomic(path: str, text: str):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint(out_dir: str, step: int, trainer_state: Dict, weights: Dict) -> str:
+    """Writes checkpoints/step_XXXXXXX/ ({arch}/config.json + {arch}/model.safetensors, and
+    trainer_state.pt with the rest), then points checkpoints/last at it. The directory is built
+    under a temporary name and renamed into place, and the pointer is replaced in one rename, so a
+    kill at any moment leaves the previous checkpoint complete and pointed at.
+    weights: {arch: (model, full state dict or None)}: the model itself is written when it holds
+    full tensors (None), else (FSDP2) an unsharded twin loaded with the gathered ones."""
+    from ..nn import ForgettingTransformerForCausalLM
+    cdir = checkpoint_dir(out_dir)
+    name = f"step_{step:07d}"
+    tmp = os.path.join(cdir, f"{TMP_PREFIX}{name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for arch, (model, sd) in weights.items():
+        if sd is not None:
+            model = ForgettingTransformerForCausalLM(model.config)
+            model.load_state_dict(sd)
+        model.save_pretrained(os.path.join(tmp, arch))
+    torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+    final = os.path.join(cdir, name)
+    if os.path.exists(final):
+        # A step taken again after resuming from an older checkpoint (killed before the pointer
+        # moved, or the pointer moved back by hand): the pointer names an older directory, not
+        # this one, so removing it first cannot lose the checkpoint a resume would use.
+        old = os.path.join(cdir, f"{TMP_PREFIX}{name}.old.{os.getpid()}")
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _write_text_atomic(os.path.join(cdir, POINTER), name + "\n")
+    return final
+
+
+def remove_stale_temporaries(out_dir: str):
+    """Half-written checkpoint directories of a killed run (never pointed at, never read)."""
+    cdir = checkpoint_dir(out_dir)
+    if os.path.isdir(cdir):
+        for f in os.listdir(cdir):
+            if f.startswith(TMP_PREFIX) or f.startswith(POINTER + ".tmp."):
+                p = os.path.join(cdir, f)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRAINER_STATE))
+
+
 def latest_checkpoint(out_dir: str) -> Optional[str]:
-    p = os.path.join(checkpoint_dir(out_dir), "last.pt")
+    """The checkpoint that checkpoints/last names; without a usable pointer (a kill between the
+    first directory's rename and its pointer, or a run of the older format) the newest complete
+    step directory, else the older single-file checkpoints/last.pt."""
+    cdir = checkpoint_dir(out_dir)
+    try:
+        with open(os.path.join(cdir, POINTER)) as fh:
+            p = os.path.join(cdir, fh.read().strip())
+        if _is_checkpoint_dir(p):
+            return p
+    except OSError:
+        pass
+    steps = sorted(f for f in (os.listdir(cdir) if os.path.isdir(cdir) else [])
+                   if STEP_DIR.match(f) and _is_checkpoint_dir(os.path.join(cdir, f)))
+    if steps:
+        return os.path.join(cdir, steps[-1])
+    p = os.path.join(cdir, "last.pt")
     return p if os.path.exists(p) else None
 
 
 def load_checkpoint(path: str, map_location="cpu"):
-    if os.path.isdir(path):
+    """A checkpoint as one dict (step, config, train_time, torch_rng, data_state and
+    models[arch] = {state_dict, optimizer, model_config}) from a step directory, a run directory
+    (its latest checkpoint) or an older single-file .pt checkpoint."""
+    from ..nn import load_safetensors
+    if os.path.isdir(path) and not _is_checkpoint_dir(path):
         found = latest_checkpoint(path)
         if not found:
-            raise SystemExit(f"{path}: no checkpoints/last.pt")
+            raise SystemExit(f"{path}: no checkpoint in {checkpoint_dir(path)}")
         path = found
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"{path}: not a fox checkpoint (format {ckpt.get('format')!r})")
+    if os.path.isdir(path):
+        ckpt = torch.load(os.path.join(path, TRAINER_STATE), map_location=map_location,
+                          weights_only=False)
+        for arch, entry in ckpt.get("models", {}).items():
+            sd = load_safetensors(os.path.join(path, arch, "model.safetensors"))
+            entry["state_dict"] = {k: v.to(map_location) for k, v in sd.items()}
+    else:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("format") not in CHECKPOINT_FORMATS:
+        raise SystemExit(f"{path}: not a fox checkpoint")
     ckpt["path"] = path
     return ckpt
 
@@ -361,6 +450,7 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
     ddp.barrier()          # every rank has looked before rank 0 may create anything
     if main:
         os.makedirs(checkpoint_dir(out_dir), exist_ok=True)
+        remove_stale_temporaries(out_dir)
 
     ckpt = None
     if resume:
@@ -447,20 +537,19 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
 
     def save(step: int, train_time: float):
         # Under FSDP2 every rank takes part in gathering the full state; rank 0 writes it.
-        entries = {a: {"state_dict": full_state_dict(models[a]),
-                       "optimizer": full_optimizer_state(opts[a]),
-                       "model_config": cfgmod.describe(cfgmod.model_config(cfg, a))}
-                   for a in archs}
+        weights = {a: (models[a], full_state_dict(models[a]) if ddp.fsdp else None) for a in archs}
+        optims = {a: full_optimizer_state(opts[a]) for a in archs}
         if not main:
             return
+        # Everything but the weights, which go to the safetensors files.
         state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg,
                  "train_time": train_time, "torch_rng": torch.get_rng_state(),
                  "data_state": {"seed": cfg["seed"], "next_step": step,
                                 "val_fraction": cfg["val_fraction"], **corpus.summary()},
-                 "models": entries}
-        cdir = checkpoint_dir(out_dir)
-        atomic_save(state, os.path.join(cdir, f"step_{step:07d}.pt"))
-        atomic_save(state, os.path.join(cdir, "last.pt"))
+                 "models": {a: {"optimizer": optims[a],
+                                "model_config": cfgmod.describe(cfgmod.model_config(cfg, a))}
+                            for a in archs}}
+        write_checkpoint(out_dir, step, state, weights)
 
     progress = Progress(steps, start_step, quiet)
     metrics = open(metrics_path, "a") if main else open(os.devnull, "w")

@@ -13,7 +13,7 @@ import torch
 from forgetting_transformer import cli
 from forgetting_transformer.cli import config as cfgmod
 from forgetting_transformer.cli import data, plots
-from forgetting_transformer.cli.train import lr_at, train
+from forgetting_transformer.cli.train import latest_checkpoint, load_checkpoint, lr_at, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MICRO = ["--preset", "micro", "--threads", "1"]
@@ -24,8 +24,8 @@ def micro_cfg(out_dir, **kw):
 
 
 def state(path):
-    ckpt = torch.load(path, weights_only=False)
-    return ckpt
+    """A checkpoint directory, or a run directory's latest checkpoint, as one dict."""
+    return load_checkpoint(str(path))
 
 
 def assert_same_checkpoint(a, b):
@@ -170,14 +170,15 @@ def test_lr_schedule():
 
 def test_train_writes_metrics_and_checkpoints(micro_run):
     ck = micro_run / "checkpoints"
-    assert {"last.pt", "step_0000010.pt", "step_0000020.pt"} <= set(os.listdir(ck))
-    assert not [f for f in os.listdir(ck) if ".tmp" in f]
+    assert set(os.listdir(ck)) == {"last", "step_0000010", "step_0000020"}
+    assert (ck / "last").read_text().strip() == "step_0000020"
     rows = [json.loads(l) for l in open(micro_run / "metrics.jsonl")]
     train_rows = [r for r in rows if not r.get("eval")]
     assert train_rows[-1]["step"] == 20 and train_rows[-1]["tokens_per_s"] > 0
     assert train_rows[-1]["fox_pro"]["loss"] < train_rows[0]["fox_pro"]["loss"]
     assert any(r.get("eval") and "val_loss" in r["transformer_pro"] for r in rows)
-    ckpt = state(ck / "last.pt")
+    ckpt = state(micro_run)
+    assert ckpt["path"] == str(ck / "step_0000020") and state(ck / "step_0000010")["step"] == 10
     assert ckpt["step"] == 20 and set(ckpt["models"]) == {"fox_pro", "transformer_pro"}
     assert ckpt["data_state"]["next_step"] == 20 and "optimizer" in ckpt["models"]["fox_pro"]
     # a second run into the same directory must not silently overwrite it
@@ -185,13 +186,54 @@ def test_train_writes_metrics_and_checkpoints(micro_run):
         cli.main(["train", *MICRO, "--out-dir", str(micro_run)])
 
 
+def test_checkpoint_directory_is_hugging_face_format(micro_run):
+    """Each step directory: <arch>/config.json + <arch>/model.safetensors that from_pretrained
+    loads, and trainer_state.pt with everything but the weights."""
+    from forgetting_transformer.nn import ForgettingTransformerForCausalLM
+    step = micro_run / "checkpoints" / "step_0000020"
+    assert sorted(os.listdir(step)) == ["fox_pro", "trainer_state.pt", "transformer_pro"]
+    ckpt = state(step)
+    rest = torch.load(step / "trainer_state.pt", weights_only=False)
+    assert rest["step"] == 20 and rest["data_state"]["next_step"] == 20
+    for arch in ("fox_pro", "transformer_pro"):
+        assert sorted(os.listdir(step / arch)) == ["config.json", "model.safetensors"]
+        assert "state_dict" not in rest["models"][arch]          # weights stored once
+        assert rest["models"][arch]["optimizer"]["state"]
+        model = ForgettingTransformerForCausalLM.from_pretrained(step / arch, strict=True)
+        assert cfgmod.describe(model.config) == ckpt["models"][arch]["model_config"]
+        sd = ckpt["models"][arch]["state_dict"]
+        assert model.state_dict().keys() == sd.keys()
+        assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+
+
+def test_older_single_file_checkpoints_load(micro_run, tmp_path):
+    ckpt = state(micro_run)
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    torch.save(dict(ckpt, format="fox_torch.cli/1"), tmp_path / "old" / "checkpoints" / "last.pt")
+    old = state(tmp_path / "old")
+    assert old["path"] == str(tmp_path / "old" / "checkpoints" / "last.pt")
+    assert_same_checkpoint(old, ckpt)
+
+
 def test_stop_and_resume_is_bitwise_identical(micro_run, tmp_path):
     cfg = micro_cfg(tmp_path / "r")
     assert train(cfg, quiet=True, stop_at=13) == {"stopped_at": 13}   # dies after step 13
-    assert state(tmp_path / "r" / "checkpoints" / "last.pt")["step"] == 10
+    assert state(tmp_path / "r")["step"] == 10
+    # as if killed while writing step 12's checkpoint and the pointer: half-written temporaries
+    ck = tmp_path / "r" / "checkpoints"
+    stale = ck / ".tmp-step_0000012.4242"
+    (stale / "fox_pro").mkdir(parents=True)
+    (stale / "fox_pro" / "model.safetensors").write_bytes(b"\x10\x00\x00")
+    (stale / "trainer_state.pt").write_bytes(b"PK\x03")
+    (ck / "last.tmp.4242").write_text("step_00")
+    assert latest_checkpoint(str(tmp_path / "r")) == str(ck / "step_0000010")
+    # killed between the first directory's rename and its pointer: the newest complete directory
+    os.rename(ck / "last", ck / "pointer")
+    assert latest_checkpoint(str(tmp_path / "r")) == str(ck / "step_0000010")
+    os.rename(ck / "pointer", ck / "last")
     train(cfg, resume=True, quiet=True)
-    assert_same_checkpoint(state(micro_run / "checkpoints" / "last.pt"),
-                           state(tmp_path / "r" / "checkpoints" / "last.pt"))
+    assert set(os.listdir(ck)) == {"last", "step_0000010", "step_0000020"}   # temporaries gone
+    assert_same_checkpoint(state(micro_run), state(tmp_path / "r"))
     steps = [json.loads(l)["step"] for l in open(tmp_path / "r" / "metrics.jsonl")
              if not json.loads(l).get("eval")]
     assert steps == sorted(set(steps))                                  # no duplicated records
@@ -205,23 +247,22 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     full = subprocess.Popen(args + ["--out-dir", str(ref)], stdout=subprocess.DEVNULL)
     proc = subprocess.Popen(args + ["--out-dir", str(run)], stdout=subprocess.DEVNULL)
     deadline = time.time() + 60
-    while not (run / "checkpoints" / "step_0000009.pt").exists() and time.time() < deadline:
+    while not (run / "checkpoints" / "step_0000009").exists() and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = state(run / "checkpoints" / "last.pt")["step"]
-    assert 6 <= killed_at < 40          # last.pt lags step_N.pt by one write at most
+    killed_at = state(run)["step"]
+    assert 6 <= killed_at < 40          # the pointer lags step_N/ by one rename at most
     subprocess.run(args + ["--out-dir", str(run), "--resume"], check=True, stdout=subprocess.DEVNULL)
     assert full.wait() == 0
-    assert_same_checkpoint(state(ref / "checkpoints" / "last.pt"),
-                           state(run / "checkpoints" / "last.pt"))
+    assert_same_checkpoint(state(ref), state(run))
 
 
 # ---- eval, inspect, generate, plots ----------------------------------------------------------------
 
 def test_eval_several_checkpoints(micro_run, tmp_path):
     out = tmp_path / "eval"
-    assert cli.main(["eval", str(micro_run), str(micro_run / "checkpoints" / "step_0000010.pt"),
+    assert cli.main(["eval", str(micro_run), str(micro_run / "checkpoints" / "step_0000010"),
                      "--out-dir", str(out), "--num", "4"]) == 0
     res = json.load(open(out / "eval.json"))
     assert res["lengths"] == [16, 32, 64, 128] and res["eval_seq_len"] == 128   # up to 2x training
@@ -301,7 +342,7 @@ def test_data_dir_and_token_files(tmp_path):
     assert not set(corpus.train.names) & set(corpus.val.names) and corpus.val.names
     assert not any("site-packages" in n or "__pycache__" in n for n in names)
     train(dict(cfg, steps=2, eval_interval=0), quiet=True)
-    assert state(tmp_path / "r1" / "checkpoints" / "last.pt")["config"]["data_dir"] == cfg["data_dir"]
+    assert state(tmp_path / "r1")["config"]["data_dir"] == cfg["data_dir"]
 
     ids = np.random.default_rng(0).integers(0, 1000, size=30000)
     np.save(tmp_path / "ids.npy", ids.astype(np.int64))
@@ -320,7 +361,7 @@ def test_data_dir_and_token_files(tmp_path):
     out = tmp_path / "r2"
     assert cli.main(["train", *MICRO, "--steps", "2", "--eval-interval", "0", "--tokens",
                      str(tmp_path / "ids.npy"), "--out-dir", str(out)]) == 0
-    ck = state(out / "checkpoints" / "last.pt")
+    ck = state(out)
     assert ck["config"]["vocab_size"] == int(ids.max()) + 1                 # widened to the ids
     from forgetting_transformer.cli.evaluate import evaluate
     res = evaluate([str(out)], out_dir=str(tmp_path / "ev"), num=2, lengths="32", quiet=True)
@@ -442,8 +483,7 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     for a, b in zip(ddp, one):
         assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=2e-4) and \
             a[2] == pytest.approx(b[2], abs=2e-4)
-    ca, cb = state(tmp_path / "ddp" / "checkpoints" / "last.pt"), \
-        state(tmp_path / "one" / "checkpoints" / "last.pt")
+    ca, cb = state(tmp_path / "ddp"), state(tmp_path / "one")
     assert ca["step"] == cb["step"] == 6
     for arch in ca["models"]:
         for k, v in ca["models"][arch]["state_dict"].items():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from forgetting_transformer import cli
 from forgetting_transformer import nn as fnn
-from forgetting_transformer.cli.train import models_from_checkpoint
+from forgetting_transformer.cli.train import load_checkpoint, models_from_checkpoint
 
 # CPU (gloo) even where GPUs exist: test_cli.py's two-GPU test covers nccl.
 FLAGS = ["--preset", "micro", "--device", "cpu", "--threads", "1", "--steps", "6", "--batch-size", "4",
@@ -103,8 +103,14 @@ def _metrics(run):
     return train, evals
 
 
-def _checkpoint(run, name="last.pt"):
-    return torch.load(run / "checkpoints" / name, weights_only=False)
+def _checkpoint(run):
+    """The run's latest checkpoint (the one checkpoints/last names) as one dict."""
+    return load_checkpoint(str(run))
+
+
+def _rewind(run, step):
+    """Points the run's checkpoints/last back at an earlier step directory."""
+    (run / "checkpoints" / "last").write_text(f"step_{step:07d}\n")
 
 
 def _assert_close_checkpoints(a, b, atol):
@@ -144,21 +150,25 @@ def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
     _assert_close_checkpoints(_checkpoint(fsdp), _checkpoint(one), atol=1e-5)
     models = models_from_checkpoint(_checkpoint(fsdp))
     assert set(models) == {"fox_pro", "transformer_pro"}
+    hf = fnn.ForgettingTransformerForCausalLM.from_pretrained(
+        fsdp / "checkpoints" / "step_0000006" / "fox_pro", strict=True)
+    assert all(torch.equal(v, models["fox_pro"].state_dict()[k]) for k, v in hf.state_dict().items())
 
     # resume under FSDP from the step-3 checkpoint: the uninterrupted run, bitwise
     resumed = tmp_path / "resumed"
     shutil.copytree(fsdp, resumed)
-    shutil.copy(resumed / "checkpoints" / "step_0000003.pt", resumed / "checkpoints" / "last.pt")
-    os.remove(resumed / "checkpoints" / "step_0000006.pt")
+    _rewind(resumed, 3)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000006")
     _torchrun([*FLAGS, "--fsdp", "--resume", "--out-dir", str(resumed)])
     a, b = _checkpoint(fsdp), _checkpoint(resumed)
     _assert_close_checkpoints(a, b, atol=0.0)
     assert sorted(_metrics(resumed)[0]) == list(range(1, 7))
 
-    # an FSDP checkpoint resumes in one process too (and the other way round)
+    # an FSDP checkpoint resumes in one process too (and the other way round); step_0000006/ is
+    # still there and is replaced by the new one
     cross = tmp_path / "cross"
     shutil.copytree(resumed, cross)
-    shutil.copy(cross / "checkpoints" / "step_0000003.pt", cross / "checkpoints" / "last.pt")
+    _rewind(cross, 3)
     assert cli.main(["train", *FLAGS, "--resume", "--out-dir", str(cross)]) == 0
     _assert_close_checkpoints(_checkpoint(cross), a, atol=1e-5)
 
