@@ -194,20 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       float sT[32], dpT[32];  // S^T and dP^T: 64 keys of this warpgroup x 64 queries
       cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const int kofs = (ks % 4) * 16;
-        const uint64_t dk_ = sw128_descriptor(Ks + (ks / 4) * kBlockN * 64 + wg * 64 * 64 + kofs, 16, 1024);
-        const uint64_t dq_ = sw128_descriptor(Qs + (ks / 4) * kBwdQueries * 64 + kofs, 16, 1024);
-        gmma_ss<GmmaS>(dk_, dq_, sT, ks > 0);
-      }
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const int kofs = (ks % 4) * 16;
-        const uint64_t dv_ = sw128_descriptor(Vs + (ks / 4) * kBlockN * 64 + wg * 64 * 64 + kofs, 16, 1024);
-        const uint64_t ddo = sw128_descriptor(dOs + (ks / 4) * kBwdQueries * 64 + kofs, 16, 1024);
-        gmma_ss<GmmaS>(dv_, ddo, dpT, ks > 0);
-      }
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kBwdQueries>(Ks, 64 * wg, Qs, sT);
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kBwdQueries>(Vs, 64 * wg, dOs, dpT);
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       fence_registers(sT);
@@ -255,16 +243,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       to_a_fragments<T>(pT, sT);
       to_a_fragments<T>(dsT, dpT);
 
-      // dV += P^T dO, dK += dS^T Q: dO and Q read transposed (rows are the k dimension).
+      // dV += P^T dO, dK += dS^T Q
       fence_registers(dv);
       fence_registers(dk);
       cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < kBwdQueries / 16; ++ks)
-        gmma_rs<GmmaD>(pT[ks], sw128_descriptor(dOs + ks * 16 * 64, kBwdQueries * 128, 1024), dv);
-#pragma unroll
-      for (int ks = 0; ks < kBwdQueries / 16; ++ks)
-        gmma_rs<GmmaD>(dsT[ks], sw128_descriptor(Qs + ks * 16 * 64, kBwdQueries * 128, 1024), dk);
+      gemm_frags_by_tile<GmmaD, kBwdQueries>(pT, dOs, dv);
+      gemm_frags_by_tile<GmmaD, kBwdQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
       if (p0 + kBwdQueries > boundary) {  // the next query tile starts past the boundary
         c_cur = c_next;
@@ -385,20 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float sc[32], dp[32];
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const int kofs = (ks % 4) * 16;
-      const uint64_t dq_ = sw128_descriptor(Qs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + kofs, 16, 1024);
-      const uint64_t dk_ = sw128_descriptor(Ks + (ks / 4) * kBwdKeys * 64 + kofs, 16, 1024);
-      gmma_ss<GmmaS>(dq_, dk_, sc, ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const int kofs = (ks % 4) * 16;
-      const uint64_t ddo = sw128_descriptor(dOs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + kofs, 16, 1024);
-      const uint64_t dv_ = sw128_descriptor(Vs + (ks / 4) * kBwdKeys * 64 + kofs, 16, 1024);
-      gmma_ss<GmmaS>(ddo, dv_, dp, ks > 0);
-    }
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBwdKeys>(Qs, 64 * wg, Ks, sc);
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBwdKeys>(dOs, 64 * wg, Vs, dp);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_registers(sc);
@@ -437,12 +409,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t ds_frag[4][4];
     to_a_fragments<T>(ds_frag, sc);
 
-    // dQ += dS K: K read transposed (its rows are the k dimension).
+    // dQ += dS K
     fence_registers(dq);
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < kBwdKeys / 16; ++ks)
-      gmma_rs<GmmaD>(ds_frag[ks], sw128_descriptor(Ks + ks * 16 * 64, kBwdKeys * 128, 1024), dq);
+    gemm_frags_by_tile<GmmaD, kBwdKeys>(ds_frag, Ks, dq);
     cute::warpgroup_commit_batch();
     if (j0 % kBlockN == 0) carry -= Tk[0];  // crossing into the 128-tile below: C -= T[j0]
     cute::warpgroup_wait<0>();

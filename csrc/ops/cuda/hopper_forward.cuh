@@ -103,6 +103,31 @@ __device__ __forceinline__ uint64_t sw128_descriptor(const void* p, uint32_t lea
          static_cast<uint64_t>(stride_bytes >> 4) << 32 | uint64_t{1} << 62;
 }
 
+// acc (64 x N) = rows [a_row0, a_row0 + 64) of tile A (kARows x kHeadDim) times the transpose of
+// tile B (N x kHeadDim): both K-major, k-steps of 16 columns (32 bytes inside a 128-byte row,
+// then the next 64-column block).
+template <class Op, int kHeadDim, int kARows, int kBRows, typename T, int N>
+__device__ __forceinline__ void gemm_rows_by_tile(const T* a, int a_row0, const T* b,
+                                                  float (&acc)[N]) {
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const int offset = (ks % 4) * 16;
+    gmma_ss<Op>(sw128_descriptor(a + (ks / 4) * kARows * 64 + a_row0 * 64 + offset, 16, 1024),
+                sw128_descriptor(b + (ks / 4) * kBRows * 64 + offset, 16, 1024), acc, ks > 0);
+  }
+}
+
+// acc (64 x head dim) += P (64 x kRows, A fragments of kRows / 16 k-steps) times tile B
+// (kRows x head dim) read transposed: its rows are the k dimension (leading byte offset: the
+// next 64-column block of the tile).
+template <class Op, int kRows, typename T, int N>
+__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows / 16][4],
+                                                   const T* b, float (&acc)[N]) {
+#pragma unroll
+  for (int ks = 0; ks < kRows / 16; ++ks)
+    gmma_rs<Op>(frags[ks], sw128_descriptor(b + ks * 16 * 64, kRows * 128, 1024), acc);
+}
+
 // Rows [0, rows) of a kRows x kHeadDim tile into shared memory (zeros in the other rows).
 template <typename T, int kRows, int kHeadDim>
 __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int rows) {
@@ -281,13 +306,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     // S = Q K^T for this warpgroup's 64 rows x 128 keys.
     float sc[kBlockN / 2];
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint64_t da = sw128_descriptor(
-          Qs + (ks / 4) * kBlockM * 64 + wg * 64 * 64 + (ks % 4) * 16, 16, 1024);
-      const uint64_t db = sw128_descriptor(Ks + (ks / 4) * kBlockN * 64 + (ks % 4) * 16, 16, 1024);
-      gmma_ss<GmmaS>(da, db, sc, ks > 0);
-    }
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_registers(sc);
@@ -361,13 +380,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       o[4 * n + 3] *= correction[1];
     }
 
-    // O += P V: V's rows are the k dimension, read transposed (leading byte offset: the next
-    // 64-column block of V).
+    // O += P V
     fence_registers(o);
     cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks)
-      gmma_rs<GmmaPV>(p_frag[ks], sw128_descriptor(Vs + ks * 16 * 64, kBlockN * 128, 1024), o);
+    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vs, o);
     cute::warpgroup_commit_batch();
     carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
     cute::warpgroup_wait<0>();
