@@ -6,76 +6,20 @@ statistics and each head's class, local or global, by its effective decay length
 1 / mean(-log f) (the distance over which F falls by a factor e). Also the parameter counts.
 Outputs go to <run>/inspect/: gate_stats.json, params.json and PNG heatmaps.
 
-The internals (q, k, log f, attention probabilities) come from a plain PyTorch re-computation of
-the model from its state_dict; its logits are checked against the C++ model's.
+The internals (q, k, log f, attention probabilities) come from forgetting_transformer.reference, the
+model written out in plain PyTorch from its state_dict; its logits are checked against the C++ model's.
 """
 import json
-import math
 import os
 from typing import Dict, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import config as cfgmod
 from . import plots
 from .data import ByteCorpus, crop, decode, encode, make_corpus
 from .train import count_parameters, load_checkpoint, models_from_checkpoint
-
-
-# ---- plain re-computation of the model, keeping the attention internals -----------------------
-
-def _rms(x, w, groups, eps):
-    shape = x.shape
-    g = x.reshape(*shape[:-1], groups, -1)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return g.reshape(shape) * w
-
-
-def _shift(x, sd, p, heads):
-    out = x @ sd[p + "linear.weight"].T
-    alpha = torch.sigmoid(x @ sd[p + "shift_proj.weight"].T)[..., None]
-    B, T, _ = out.shape
-    cur = out.view(B, T, heads, -1)
-    prev = F.pad(cur, (0, 0, 0, 0, 1, 0))[:, :-1]
-    return (alpha * prev + (1 - alpha) * cur).reshape(B, T, -1)
-
-
-def _rope(x, base):
-    T, D = x.shape[1], x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv).to(x.dtype)
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def _attn(c, sd, p, x, keep):
-    B, T, _ = x.shape
-    H, D = c.num_heads, c.hidden_size // c.num_heads
-    q = x @ sd[p + "q_proj.weight"].T
-    k = _shift(x, sd, p + "k_proj.", H) if c.use_k_shift else x @ sd[p + "k_proj.weight"].T
-    v = _shift(x, sd, p + "v_proj.", H) if c.use_v_shift else x @ sd[p + "v_proj.weight"].T
-    if c.qk_norm:
-        q, k = _rms(q, sd[p + "q_norm.weight"], H, 1e-5), _rms(k, sd[p + "k_norm.weight"], H, 1e-5)
-    q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
-    if c.use_rope:
-        q, k = _rope(q, c.rope_base), _rope(k, c.rope_base)
-    if c.fgate_type == "full":
-        lf = F.logsigmoid(x @ sd[p + "fgate_proj.weight"].T + sd[p + "fgate_proj.bias"])
-    else:
-        lf = torch.zeros(B, T, H, dtype=x.dtype)
-    cs = lf.cumsum(1).transpose(1, 2)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D) + cs[..., :, None] - cs[..., None, :]
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    probs = s.softmax(-1)
-    keep.append({"log_fgate": lf, "attn": probs})
-    o = torch.einsum("bhij,bjhd->bihd", probs, v).reshape(B, T, H * D)
-    if c.use_output_norm:
-        o = _rms(o, sd[p + "output_norm.weight"], H, c.norm_eps)
-    if c.use_output_gate:
-        o = o * torch.sigmoid(x @ sd[p + "ogate_proj.weight"].T)
-    return o @ sd[p + "o_proj.weight"].T
+from .. import reference
 
 
 @torch.no_grad()
@@ -83,14 +27,7 @@ def internals(model, c, ids):
     """(logits, [per layer {"log_fgate": (B,T,H), "attn": (B,H,T,T)}]) in float32 on the CPU."""
     sd = {k: v.float().cpu() for k, v in model.state_dict().items()}
     keep = []
-    h = sd["model.embeddings.weight"][ids]
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = h + _attn(c, sd, p + "attn.", _rms(h, sd[p + "attn_norm.weight"], 1, c.norm_eps), keep)
-        g, y = (_rms(h, sd[p + "mlp_norm.weight"], 1, c.norm_eps)
-                @ sd[p + "mlp.gate_proj.weight"].T).chunk(2, -1)
-        h = h + (F.silu(g) * y) @ sd[p + "mlp.down_proj.weight"].T
-    return _rms(h, sd["model.norm.weight"], 1, c.norm_eps) @ sd["lm_head.weight"].T, keep
+    return reference.causal_lm(c, sd, ids, keep), keep
 
 
 # ---- statistics --------------------------------------------------------------------------------

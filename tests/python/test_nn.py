@@ -1,13 +1,12 @@
 """forgetting_transformer.nn: the bound C++ modules against a small pure-PyTorch reference of the
 same math (weights shared through state_dict), state_dict round trip, a training step with
 torch.optim, the KV cache and generation."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from forgetting_transformer import nn as fnn
+from forgetting_transformer.reference import causal_lm as ref_lm
 
 ARCHS = ["fox_llama", "fox_pro", "transformer_llama", "transformer_pro"]
 
@@ -17,69 +16,6 @@ def tiny(arch, **kw):
                                         num_heads=4, **kw).preset(arch)
     c.intermediate_size = 48
     return c
-
-
-# ---- pure-PyTorch reference of the authors' model, reading a state_dict -----------------------
-
-def rms(x, w, groups, eps):
-    shape = x.shape
-    g = x.reshape(*shape[:-1], groups, -1)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return g.reshape(shape) * w
-
-
-def shift(x, sd, p, heads):
-    out = x @ sd[p + "linear.weight"].T
-    alpha = torch.sigmoid(x @ sd[p + "shift_proj.weight"].T)[..., None]
-    B, T, _ = out.shape
-    cur = out.view(B, T, heads, -1)
-    prev = F.pad(cur, (0, 0, 0, 0, 1, 0))[:, :-1]
-    return (alpha * prev + (1 - alpha) * cur).reshape(B, T, -1)
-
-
-def rope(x, base):  # (B, T, H, D), halves
-    T, D = x.shape[1], x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def ref_attn(c, sd, p, x):
-    B, T, _ = x.shape
-    H, D = c.num_heads, c.hidden_size // c.num_heads
-    q = x @ sd[p + "q_proj.weight"].T
-    k = shift(x, sd, p + "k_proj.", H) if c.use_k_shift else x @ sd[p + "k_proj.weight"].T
-    v = shift(x, sd, p + "v_proj.", H) if c.use_v_shift else x @ sd[p + "v_proj.weight"].T
-    if c.qk_norm:
-        q, k = rms(q, sd[p + "q_norm.weight"], H, 1e-5), rms(k, sd[p + "k_norm.weight"], H, 1e-5)
-    q, k, v = (t.view(B, T, H, D) for t in (q, k, v))
-    if c.use_rope:
-        q, k = rope(q, c.rope_base), rope(k, c.rope_base)
-    if c.fgate_type == "full":
-        lf = F.logsigmoid(x @ sd[p + "fgate_proj.weight"].T + sd[p + "fgate_proj.bias"])
-    else:
-        lf = torch.zeros(B, T, H, dtype=x.dtype)
-    cs = lf.cumsum(1).transpose(1, 2)  # (B, H, T)
-    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D) + cs[..., :, None] - cs[..., None, :]
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    o = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v).reshape(B, T, H * D)
-    if c.use_output_norm:
-        o = rms(o, sd[p + "output_norm.weight"], H, c.norm_eps)
-    if c.use_output_gate:
-        o = o * torch.sigmoid(x @ sd[p + "ogate_proj.weight"].T)
-    return o @ sd[p + "o_proj.weight"].T
-
-
-def ref_lm(c, sd, ids):
-    h = sd["model.embeddings.weight"][ids]
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = h + ref_attn(c, sd, p + "attn.", rms(h, sd[p + "attn_norm.weight"], 1, c.norm_eps))
-        g, y = (rms(h, sd[p + "mlp_norm.weight"], 1, c.norm_eps) @ sd[p + "mlp.gate_proj.weight"].T).chunk(2, -1)
-        h = h + (F.silu(g) * y) @ sd[p + "mlp.down_proj.weight"].T
-    return rms(h, sd["model.norm.weight"], 1, c.norm_eps) @ sd["lm_head.weight"].T
 
 
 def randomized(model, scale=0.2, seed=0):
@@ -105,6 +41,18 @@ def test_causal_lm_matches_reference(arch):
     loss = model(ids, labels=labels)
     ref = F.cross_entropy(ref_lm(c, sd, ids).flatten(0, 1), labels.flatten(), reduction="none")
     torch.testing.assert_close(loss, ref.view(2, 9), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("fgate_type", ["full", "bias_only", "fixed"])
+def test_gate_types_and_gqa_match_reference(fgate_type):
+    """The other forget-gate types and grouped kv heads (2 kv heads for 4 heads), with QK-norm
+    weights shared across heads."""
+    torch.manual_seed(0)
+    c = tiny("fox_pro", fgate_type=fgate_type, num_kv_heads=2,
+             fgate_bias_init=fgate_type != "full", qk_norm_share_param_across_head=True)
+    model = randomized(fnn.ForgettingTransformerForCausalLM(c).double())
+    ids = torch.randint(0, 53, (2, 9))
+    torch.testing.assert_close(model(ids), ref_lm(c, model.state_dict(), ids), rtol=1e-9, atol=1e-9)
 
 
 def test_parameter_names_and_shapes():
