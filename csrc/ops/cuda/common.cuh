@@ -98,6 +98,30 @@ __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
   return hp;
 }
 
+// The query tile a block owns. Blocks enumerate (sequence, head, tile), tile fastest, the last
+// tiles of a sequence (the longest causal rows) first so that the short ones make the tail.
+// nq == 0: the tile lies past the end of its sequence (a shorter one of a varlen batch).
+struct QueryTile {
+  SequenceView s;
+  int64_t h = 0, i0 = 0;  // head, first query row
+  int nq = 0;             // queries in the tile
+  int64_t a = 0, L = 0;   // positions of its first and last query
+};
+__device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, int64_t num_tiles,
+                                                      int block_m, bool first_tile_only = false) {
+  const int64_t b = blockIdx.x;
+  const int64_t tile = first_tile_only ? 0 : num_tiles - 1 - b % num_tiles;
+  QueryTile t;
+  t.h = (b / num_tiles) % p.num_heads;
+  t.s = p.sequence(b / (num_tiles * p.num_heads));
+  t.i0 = tile * block_m;
+  if (t.i0 >= t.s.len_q) return t;
+  t.nq = static_cast<int>(min64(block_m, t.s.len_q - t.i0));
+  t.a = t.s.query_position(t.i0);
+  t.L = t.a + t.nq - 1;
+  return t;
+}
+
 // Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.
 __device__ __forceinline__ int64_t row_stat_offset(const ForwardParams& p, const SequenceView& s,
                                                    int64_t h) {

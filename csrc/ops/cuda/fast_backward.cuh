@@ -280,14 +280,11 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
   const int group_id = lane >> 2, quad = lane & 3;
   float* Rk = warp_R + warp * 128;
 
-  const int64_t b = blockIdx.x;
-  const int64_t tile = num_tiles - 1 - b % num_tiles;
-  const int64_t h = (b / num_tiles) % p.num_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
-  const int64_t i0 = tile * kBlockM;
-  if (i0 >= s.len_q) return;
-  const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
-  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const QueryTile qt = block_query_tile(p, num_tiles, kBlockM);
+  if (qt.nq == 0) return;
+  const SequenceView s = qt.s;
+  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int nq = qt.nq;
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
                   (s.row_q + i0) * p.do_row_stride + h * p.do_head_stride;

@@ -112,15 +112,12 @@ __global__ void __launch_bounds__(kForwardThreads<kHeadDim>, kForwardMinBlocks<k
   const int group = lane >> 2, quad = lane & 3;
   float* Rk = Rk_all + warp * kBlockN;
 
-  // Largest tiles first: tile index reversed so the causal tail is short.
-  const int64_t b = blockIdx.x;
-  const int64_t tile = kSplit ? 0 : num_tiles - 1 - b % num_tiles;
-  const int64_t h = (b / num_tiles) % p.num_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
-  const int64_t i0 = tile * kBlockMF;
-  if (i0 >= s.len_q) return;
-  const int nq = static_cast<int>(min64(kBlockMF, s.len_q - i0));
-  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const int64_t b = blockIdx.x;  // (kSplit: b % num_tiles is the block's key chunk)
+  const QueryTile qt = block_query_tile(p, num_tiles, kBlockMF, kSplit);
+  if (qt.nq == 0) return;
+  const SequenceView s = qt.s;
+  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int nq = qt.nq;
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   auto mtile_row0 = [&](int mt) { return 64 * mt + 16 * warp; };

@@ -299,14 +299,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);
 
-  const int64_t b = blockIdx.x;
-  const int64_t tile = num_tiles - 1 - b % num_tiles;
-  const int64_t h = (b / num_tiles) % p.num_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
-  const int64_t i0 = tile * kBlockM;
-  if (i0 >= s.len_q) return;
-  const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
-  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const QueryTile qt = block_query_tile(p, num_tiles, kBlockM);
+  if (qt.nq == 0) return;
+  const SequenceView s = qt.s;
+  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int nq = qt.nq;
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
                   (s.row_q + i0) * p.do_row_stride + h * p.do_head_stride;
@@ -376,36 +373,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_registers(sc);
     fence_registers(dp);
 
-    auto scores_grad = [&](auto masked) {
-      int hi_col[2] = {0, 0}, lo_col = 0;
-      if constexpr (decltype(masked)::value) {
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi)
-          hi_col[hi] = static_cast<int>(max64(-1, min64(kBwdKeys, a + row_of(hi) - j0)));
-        lo_col = static_cast<int>(max64(0, min64(kBwdKeys, s.first_key - j0)));
-      }
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
-        const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hi = e >> 1;
-          float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
-          if constexpr (decltype(masked)::value) {
-            const int col = n * 8 + quad * 2 + (e & 1);
-            if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
-          }
-          const float ds = exp2f(x) * (dp[4 * n + e] - delta[hi]);
-          sc[4 * n + e] = ds;
-          rowsum[hi] += ds;
-        }
-      }
+    // dS = P (dP - delta), P = 2^(x - lse2) (rq holds R - lse2)
+    const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+    auto scores_grad = [&](int i, int hi, float x) {
+      const float ds = exp2f(x) * (dp[i] - delta[hi]);
+      sc[i] = ds;
+      rowsum[hi] += ds;
     };
     if (j0 + kBwdKeys - 1 > a || j0 < s.first_key)
-      scores_grad(std::true_type{});
+      for_each_score<true, kBwdKeys>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, scores_grad);
     else
-      scores_grad(std::false_type{});
+      for_each_score<false, kBwdKeys>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, scores_grad);
     uint32_t ds_frag[4][4];
     to_a_fragments<T>(ds_frag, sc);
 

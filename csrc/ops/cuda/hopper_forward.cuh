@@ -128,6 +128,39 @@ __device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows
     gmma_rs<Op>(frags[ks], sw128_descriptor(b + ks * 16 * 64, kRows * 128, 1024), acc);
 }
 
+// The scores of this thread's two rows (hi = 0, 1) against a tile of kCols keys, log2 domain:
+// x = S * scale_log2 + rq[hi] - R_j with R_j = C - T_j (C = carry, T of the keys in shared
+// memory), -inf past column last_col[hi] (causal) or before first_col (first_key) when kMasked.
+// Hands every (accumulator index, hi, x) to `use`.
+template <bool kMasked, int kCols, class Use>
+__device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const float* Tk,
+                                               float carry, const float (&rq)[2],
+                                               float scale_log2, const int64_t (&last_col)[2],
+                                               int64_t first_col, Use&& use) {
+  const int quad = threadIdx.x & 3;
+  int hi_col[2] = {0, 0}, lo_col = 0;
+  if constexpr (kMasked) {  // int32 column limits relative to the tile
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) hi_col[hi] = static_cast<int>(max64(-1, min64(kCols, last_col[hi])));
+    lo_col = static_cast<int>(max64(0, min64(kCols, first_col)));
+  }
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
+    const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;  // -R_j, log2
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hi = e >> 1;
+      float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
+      if constexpr (kMasked) {
+        const int col = n * 8 + quad * 2 + (e & 1);
+        if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
+      }
+      use(4 * n + e, hi, x);
+    }
+  }
+}
+
 // Rows [0, rows) of a kRows x kHeadDim tile into shared memory (zeros in the other rows).
 template <typename T, int kRows, int kHeadDim>
 __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int rows) {
@@ -216,15 +249,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first query row in the block
 
-  // Largest tiles first: tile index reversed so the causal tail is short.
-  const int64_t b = blockIdx.x;
-  const int64_t tile = kSplit ? 0 : num_tiles - 1 - b % num_tiles;
-  const int64_t h = (b / num_tiles) % p.num_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
-  const int64_t i0 = tile * kBlockM;
-  if (i0 >= s.len_q) return;
-  const int nq = static_cast<int>(min64(kBlockM, s.len_q - i0));
-  const int64_t a = s.query_position(i0), L = a + nq - 1;
+  const int64_t b = blockIdx.x;  // (kSplit: b % num_tiles is the block's key chunk)
+  const QueryTile qt = block_query_tile(p, num_tiles, kBlockM, kSplit);
+  if (qt.nq == 0) return;
+  const SequenceView s = qt.s;
+  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int nq = qt.nq;
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
@@ -314,37 +344,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     // Bias, masks and the online softmax, log2 domain. The masked variant runs only on the tiles
     // that cross the diagonal or first_key (int32 column limits, relative to the tile).
     float tile_max[2] = {-INFINITY, -INFINITY};
-    auto add_bias = [&](auto masked) {
-      int hi_col[2] = {0, 0};
-      int lo_col = 0;
-      if constexpr (decltype(masked)::value) {
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi)
-          hi_col[hi] = static_cast<int>(max64(-1, min64(kBlockN, a + row_of(hi) - j0)));
-        lo_col = static_cast<int>(max64(0, min64(kBlockN, s.first_key - j0)));
-      }
-#pragma unroll
-      for (int n = 0; n < kKeyChunks; ++n) {
-        const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
-        // rq - R_j = rq - (C - T_j)
-        const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hi = e >> 1;
-          float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
-          if constexpr (decltype(masked)::value) {
-            const int col = n * 8 + quad * 2 + (e & 1);
-            if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
-          }
-          sc[4 * n + e] = x;
-          tile_max[hi] = fmaxf(tile_max[hi], x);
-        }
-      }
+    const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+    auto bias_and_max = [&](int i, int hi, float x) {
+      sc[i] = x;
+      tile_max[hi] = fmaxf(tile_max[hi], x);
     };
     if (j0 + kBlockN - 1 > a || j0 < s.first_key)
-      add_bias(std::true_type{});
+      for_each_score<true, kBlockN>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
     else
-      add_bias(std::false_type{});
+      for_each_score<false, kBlockN>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
     float correction[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
