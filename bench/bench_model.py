@@ -102,12 +102,34 @@ def time_step(step, reps=10):
     return statistics.median(times)
 
 
+def print_profile(title, step, steps=3, top=30):
+    """Kernel time per step, the busiest kernels first, and how much of the step the GPU is busy."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            step()
+        b.record()
+        torch.cuda.synchronize()
+    wall = a.elapsed_time(b) / steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and str(e.device_type).endswith("CUDA")]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in kernels) / steps / 1e3
+    print(f"\n## {title}: {wall:.1f} ms per step (profiled), kernels {busy:.1f} ms")
+    for e in kernels[:top]:
+        print(f"{e.device_time_total / steps / 1e3:8.2f} ms {e.count // steps:5d}x  {e.key[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the CUDA kernels that take the most time in each step")
     args = ap.parse_args()
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
@@ -142,6 +164,9 @@ def main():
         tok = B * T / 1e3
         print(f"| {arch} | {tok / t_fox * 1e3:,.0f} | {tok / t_eager * 1e3:,.0f} ({eager_name}) | "
               f"{t_eager / t_fox:.2f} | {fox_loss:.4f} / {eager_loss_value:.4f} |", flush=True)
+        if args.profile:
+            for name, step in (("fox_torch", fox_step), ("eager", eager_step)):
+                print_profile(f"{arch}, {name}", step)
         del model, params
         torch.cuda.empty_cache()
 

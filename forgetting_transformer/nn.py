@@ -335,6 +335,10 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
             _nn.save_pretrained(full.cpp_module, os.fspath(save_directory))
 
 
+# The fused functions the modules are built from (rms_norm, shift_mix, gated, cross_entropy),
+# differentiable; one fused kernel each way on CUDA, the plain formulas elsewhere.
+functional = _nn.functional
+
 # The Python class of each bound C++ module type, to wrap existing C++ children.
 _WRAPPERS = {getattr(_nn.cpp, c.__name__): c
              for c in (RMSNorm, GroupRMSNorm, ShiftLinear, GatedMLP, ForgettingAttentionLayer,
@@ -347,5 +351,5 @@ __all__ = [
     "ForgettingAttentionLayer", "ForgettingTransformerBlock", "ForgettingTransformerModel",
     "ForgettingTransformerForCausalLM", "mlp_intermediate_size", "sample_next_token",
     "config_to_json", "config_from_json", "load_config", "save_safetensors", "load_safetensors",
-    "load_safetensors_metadata",
+    "load_safetensors_metadata", "functional",
 ]

@@ -5,6 +5,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
 
+#include <fox/nn/functional.h>
 #include <fox/ops.h>
 
 namespace fox::nn {
@@ -137,12 +138,55 @@ void ForgettingAttentionLayerImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate(const torch::Tensor& x) {
+  return log_forget_gate_from(x, fgate_proj ? fgate_proj(x) : torch::Tensor());
+}
+
+torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate_from(const torch::Tensor& x,
+                                                                 const torch::Tensor& logits) {
   const int64_t B = x.size(0), T = x.size(1), H = options.num_heads();
   auto fdt = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const auto& ft = options.fgate_type();
-  if (ft == "full") return F::logsigmoid(fgate_proj(x).to(fdt));
+  if (ft == "full") return F::logsigmoid(logits.to(fdt));
   if (ft == "none") return torch::zeros({B, T, H}, x.options().dtype(fdt));
   return F::logsigmoid(fgate_bias.to(fdt)).expand({B, T, H}).contiguous();
+}
+
+std::vector<torch::Tensor> ForgettingAttentionLayerImpl::project_input(const torch::Tensor& x) {
+  // One GEMM for every projection of x (q, k, v, the shift gates, the forget and output gates):
+  // the weights are concatenated on the fly, the parameters keep the authors' names, and the
+  // backward of split_with_sizes is one concatenation of the output gradients.
+  std::vector<torch::Tensor> weights, biases;
+  std::vector<int64_t> widths;
+  bool any_bias = false;
+  auto add = [&](const torch::nn::Linear& l) {
+    weights.push_back(l->weight);
+    biases.push_back(l->bias);
+    widths.push_back(l->weight.size(0));
+    any_bias = any_bias || l->bias.defined();
+  };
+  add(q_proj);
+  if (k_shift_proj) {
+    add(k_shift_proj->linear);
+    add(k_shift_proj->shift_proj);
+  } else {
+    add(k_proj);
+  }
+  if (v_shift_proj) {
+    add(v_shift_proj->linear);
+    add(v_shift_proj->shift_proj);
+  } else {
+    add(v_proj);
+  }
+  if (fgate_proj) add(fgate_proj);
+  if (ogate_proj) add(ogate_proj);
+  torch::Tensor bias;
+  if (any_bias) {
+    for (size_t i = 0; i < biases.size(); ++i) {
+      if (!biases[i].defined()) biases[i] = torch::zeros({widths[i]}, weights[i].options());
+    }
+    bias = torch::cat(biases);
+  }
+  return F::linear(x, torch::cat(weights), bias).split_with_sizes(widths, -1);
 }
 
 torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, LayerCache* cache,
@@ -169,26 +213,24 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     x = x * valid.unsqueeze(-1).to(x.scalar_type());
   }
 
-  auto q = q_proj(x);
-  torch::Tensor k, v;
-  if (k_shift_proj) {
+  auto projections = project_input(x);
+  size_t next = 0;
+  auto q = projections[next++];
+  auto shifted = [&](ShiftLinear& shift, torch::Tensor* state) {
+    auto projected = projections[next++];
+    auto logits = projections[next++];
     std::optional<torch::Tensor> prev;
-    if (cache && cache->key_shift.defined()) prev = cache->key_shift;
-    auto [kk, st] = k_shift_proj->forward_with_state(x, prev);
-    k = kk;
-    if (cache) cache->key_shift = st;
-  } else {
-    k = k_proj(x);
-  }
-  if (v_shift_proj) {
-    std::optional<torch::Tensor> prev;
-    if (cache && cache->value_shift.defined()) prev = cache->value_shift;
-    auto [vv, st] = v_shift_proj->forward_with_state(x, prev);
-    v = vv;
-    if (cache) cache->value_shift = st;
-  } else {
-    v = v_proj(x);
-  }
+    if (cache && state->defined()) prev = *state;
+    auto [out, last] = shift->shift(projected, logits, prev);
+    if (cache) *state = last.clone();  // not a view that would keep the whole projection alive
+    return out;
+  };
+  auto k = k_shift_proj ? shifted(k_shift_proj, cache ? &cache->key_shift : nullptr)
+                        : projections[next++];
+  auto v = v_shift_proj ? shifted(v_shift_proj, cache ? &cache->value_shift : nullptr)
+                        : projections[next++];
+  auto fgate_logits = fgate_proj ? projections[next++] : torch::Tensor();
+  auto ogate_logits = ogate_proj ? projections[next++] : torch::Tensor();
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);
@@ -204,7 +246,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     q = apply_rotary(q, positions, o.rope_base());
     k = apply_rotary(k, positions, o.rope_base());
   }
-  auto log_fgate = log_forget_gate(x);  // (B, T, H) fp32 (fp64 for fp64 models)
+  auto log_fgate = log_forget_gate_from(x, fgate_logits);  // (B, T, H) fp32 (fp64 models: fp64)
   if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
   const int64_t Tk = k.size(1);
 
@@ -229,10 +271,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   auto out = fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
-  if (ogate_proj) {
-    auto g = ogate_proj(x);
-    out = out * (o.ogate_act() == "silu" ? F::silu(g) : torch::sigmoid(g));
-  }
+  if (ogate_proj) out = functional::gated(ogate_logits, out, o.ogate_act());
   return o_proj(out);
 }
 

@@ -1,7 +1,8 @@
 #include <fox/nn/mlp.h>
 
-#include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
+
+#include <fox/nn/functional.h>
 
 namespace fox::nn {
 
@@ -44,9 +45,7 @@ void GatedMLPImpl::pretty_print(std::ostream& stream) const {
 
 torch::Tensor GatedMLPImpl::forward(const torch::Tensor& x) {
   auto chunks = gate_proj(x).chunk(2, -1);
-  auto gate = options.hidden_act() == "swish" ? torch::nn::functional::silu(chunks[0])
-                                              : torch::sigmoid(chunks[0]);
-  return down_proj(gate * chunks[1]);
+  return down_proj(functional::gated(chunks[0], chunks[1], options.hidden_act()));
 }
 
 }  // namespace fox::nn

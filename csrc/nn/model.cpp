@@ -1,8 +1,9 @@
 #include <fox/nn/model.h>
 
 #include <torch/nn/functional/linear.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/nn/init.h>
+
+#include <fox/nn/functional.h>
 
 namespace fox::nn {
 
@@ -207,12 +208,7 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
   if (!labels.has_value() || !labels->defined()) return logits_;
   TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",
               labels->sizes(), " must have the shape of input_ids ", input_ids.sizes());
-  auto lf = logits_.scalar_type() == torch::kFloat64 ? logits_ : logits_.to(torch::kFloat32);
-  auto loss = torch::nn::functional::cross_entropy(
-      lf.reshape({-1, lf.size(-1)}),
-      labels->reshape({-1}).to(logits_.device(), torch::kLong),
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(-100));
-  return loss.view(labels->sizes());
+  return functional::cross_entropy(logits_, labels->to(logits_.device(), torch::kLong), -100);
 }
 
 }  // namespace fox::nn

@@ -1,15 +1,8 @@
 #include <fox/nn/norm.h>
 
-#include <torch/nn/init.h>
+#include <fox/nn/functional.h>
 
 namespace fox::nn {
-
-namespace {
-torch::Tensor rms_normalize(const torch::Tensor& x, double eps) {
-  auto xf = x.scalar_type() == torch::kFloat64 ? x : x.to(torch::kFloat32);
-  return xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-}
-}  // namespace
 
 RMSNormImpl::RMSNormImpl(const RMSNormOptions& options_) : options(options_) { reset(); }
 
@@ -33,9 +26,7 @@ void RMSNormImpl::reset_parameters() {
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.size(-1) == options.hidden_size(), "RMSNorm: last dimension must be ",
               options.hidden_size(), ", got input of shape ", x.sizes());
-  auto y = rms_normalize(x, options.eps());
-  if (weight.defined()) y = y * weight.to(y.scalar_type());
-  return y.to(x.scalar_type());
+  return functional::rms_norm(x, weight, options.hidden_size(), options.eps());
 }
 
 void RMSNormImpl::pretty_print(std::ostream& stream) const {
@@ -67,13 +58,8 @@ void GroupRMSNormImpl::reset_parameters() {
 torch::Tensor GroupRMSNormImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.size(-1) == options.hidden_size(), "GroupRMSNorm: last dimension must be ",
               options.hidden_size(), ", got input of shape ", x.sizes());
-  auto sizes = x.sizes().vec();
-  std::vector<int64_t> grouped(sizes.begin(), sizes.end() - 1);
-  grouped.push_back(options.num_groups());
-  grouped.push_back(options.hidden_size() / options.num_groups());
-  auto y = rms_normalize(x.reshape(grouped), options.eps()).reshape(sizes);
-  if (weight.defined()) y = y * weight.to(y.scalar_type());
-  return y.to(x.scalar_type());
+  return functional::rms_norm(x, weight, options.hidden_size() / options.num_groups(),
+                              options.eps());
 }
 
 void GroupRMSNormImpl::pretty_print(std::ostream& stream) const {

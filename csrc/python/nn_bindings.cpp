@@ -293,4 +293,19 @@ void init_nn_bindings(py::module_& parent) {
   m.def("mlp_intermediate_size", &mlp_intermediate_size, py::arg("hidden_size"),
         py::arg("hidden_ratio"));
   m.def("sample_next_token", &sample_next_token, py::arg("logits"), py::arg("options"));
+
+  // The fused elementwise functions the modules are built from (fox/nn/functional.h).
+  auto f = m.def_submodule("functional", "fox::nn::functional: fused norms, KV-shift, gates, loss");
+  f.def(
+      "rms_norm",
+      [](const torch::Tensor& x, const std::optional<torch::Tensor>& weight, int64_t group_size,
+         double eps) {
+        return functional::rms_norm(x, weight.value_or(torch::Tensor()), group_size, eps);
+      },
+      py::arg("x"), py::arg("weight"), py::arg("group_size"), py::arg("eps"));
+  f.def("shift_mix", &functional::shift_mix, py::arg("cur"), py::arg("shift_logits"),
+        py::arg("first") = std::nullopt);
+  f.def("gated", &functional::gated, py::arg("gate"), py::arg("value"), py::arg("act"));
+  f.def("cross_entropy", &functional::cross_entropy, py::arg("logits"), py::arg("labels"),
+        py::arg("ignore_index") = -100);
 }

@@ -55,6 +55,33 @@ def test_gate_types_and_gqa_match_reference(fgate_type):
     torch.testing.assert_close(model(ids), ref_lm(c, model.state_dict(), ids), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_lm_on_cuda_matches_reference(arch):
+    """On CUDA the modules run the fused kernels (norms, KV-shift, gates, loss) and one GEMM for
+    all input projections: float32 loss and every parameter's gradient against the float64
+    reference, and a bf16-autocast loss close to it."""
+    torch.manual_seed(0)
+    c = tiny(arch)
+    model = randomized(fnn.ForgettingTransformerForCausalLM(c)).cuda()
+    ids, labels = torch.randint(0, 53, (2, 70)), torch.randint(0, 53, (2, 70))
+    labels[1, :3] = -100
+    sd = {k: v.detach().double().cpu().requires_grad_(v.is_floating_point())
+          for k, v in model.state_dict().items()}
+    ref = F.cross_entropy(ref_lm(c, sd, ids).flatten(0, 1), labels.flatten(), reduction="none")
+    ref.sum().backward()
+    loss = model(ids.cuda(), labels=labels.cuda())
+    loss.sum().backward()
+    torch.testing.assert_close(loss.cpu().double(), ref.view(2, 70), rtol=1e-4, atol=1e-4)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu().double(), sd[name].grad, rtol=1e-3, atol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_bf16 = model(ids.cuda(), labels=labels.cuda())
+    assert (loss_bf16.float().cpu().double() - ref.view(2, 70)).abs().max() < 0.1
+
+
 def test_parameter_names_and_shapes():
     c = fnn.ForgettingTransformerConfig(vocab_size=100, hidden_size=1536, num_hidden_layers=1,
                                         num_heads=24).preset("fox_pro")

@@ -4,6 +4,7 @@
 #include <fox/nn/attention.h>
 #include <fox/nn/cache.h>
 #include <fox/nn/checkpoint.h>
+#include <fox/nn/functional.h>
 #include <fox/nn/generation.h>
 #include <fox/nn/mlp.h>
 #include <fox/nn/model.h>

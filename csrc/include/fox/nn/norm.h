@@ -1,6 +1,7 @@
 // RMS normalizations of the FoX model: RMSNorm over the last dimension and GroupRMSNorm (one
 // RMS per group of channels, i.e. per attention head), both computed in float32 and returned in
-// the input's dtype. Parameter: `weight` (ones at init), as in the authors' modules.
+// the input's dtype (a float32 input under autocast: in the autocast dtype, see
+// functional::rms_norm). Parameter: `weight` (ones at init), as in the authors' modules.
 #pragma once
 
 #include <torch/nn/cloneable.h>

@@ -46,6 +46,11 @@ class ShiftLinearImpl : public torch::nn::Cloneable<ShiftLinearImpl> {
   /// As forward, also returning the new state: the pre-shift projection of the last token (B, out).
   std::tuple<torch::Tensor, torch::Tensor> forward_with_state(
       const torch::Tensor& x, const std::optional<torch::Tensor>& prev = std::nullopt);
+  /// The shift alone, from the two projections computed elsewhere (e.g. in one GEMM with others):
+  /// projected = linear(x) (B, T, out), shift_logits = shift_proj(x) (B, T, num_heads).
+  std::tuple<torch::Tensor, torch::Tensor> shift(
+      const torch::Tensor& projected, const torch::Tensor& shift_logits,
+      const std::optional<torch::Tensor>& prev = std::nullopt) const;
 
   ShiftLinearOptions options;
   torch::nn::Linear linear{nullptr};

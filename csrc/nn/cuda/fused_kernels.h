@@ -1,0 +1,42 @@
+// Fused CUDA kernels of the model's elementwise work (normalizations, KV-shift, gates, loss).
+// Launchers take 2-D row views: (rows, C) with a row stride and a contiguous last dimension, so
+// slices of one concatenated projection are read in place. Outputs are contiguous. Called only by
+// csrc/nn/functional.cpp, which owns the autograd and the fallbacks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace fox::nn::cuda {
+
+// y = x * rsqrt(mean_group(x^2) + eps) * weight, per group of `group` channels; rstd (rows, C/group).
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
+                      const at::Tensor& y, const at::Tensor& rstd);
+// dx (rows, C) and, when defined, dweight (C,) float32.
+void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& rstd, int64_t group, const at::Tensor& dx,
+                       const at::Tensor& dweight);
+
+// out[b, t] = a * cur[b, t-1] + (1 - a) * cur[b, t], a = sigmoid(logits[b, t, head]); the row
+// before t = 0 is first[b] (zeros when undefined). cur (B, T, C), logits (B, T, H): 3-D views with
+// a contiguous last dimension.
+void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
+                       const at::Tensor& out);
+void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at::Tensor& logits,
+                        const at::Tensor& first, const at::Tensor& dcur,
+                        const at::Tensor& dlogits, const at::Tensor& dfirst);
+
+// y = act(g) * u with act = silu (swish) or sigmoid; g and u (rows, C).
+void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at::Tensor& y);
+void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, bool silu,
+                    const at::Tensor& dg, const at::Tensor& du);
+
+// Per-row cross entropy of logits (rows, V) against labels (rows,) int64; rows whose label is
+// ignore_index give 0. loss and lse float32 (rows,).
+void cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
+                           int64_t ignore_index, const at::Tensor& loss, const at::Tensor& lse);
+// dlogits = (softmax(logits) - onehot(label)) * dloss, in the logits' dtype.
+void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
+                            const at::Tensor& labels, const at::Tensor& lse, int64_t ignore_index,
+                            const at::Tensor& dlogits);
+
+}  // namespace fox::nn::cuda

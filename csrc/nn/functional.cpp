@@ -1,0 +1,269 @@
+#include <fox/nn/functional.h>
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+
+#ifdef FOX_WITH_CUDA
+#include "cuda/fused_kernels.h"
+#endif
+
+namespace fox::nn::functional {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+torch::ScalarType compute_dtype(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+}
+
+// The fused kernels serve CUDA tensors in float32/float16/bfloat16.
+bool fused(const torch::Tensor& x) {
+#ifdef FOX_WITH_CUDA
+  const auto t = x.scalar_type();
+  return x.is_cuda() && (t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// (rows, C) view of x with one row stride and a contiguous last dimension (a copy only if x's
+// leading dimensions do not collapse to one stride).
+torch::Tensor rows_view(const torch::Tensor& x) {
+  const int64_t C = x.size(-1);
+  auto r = x.reshape({-1, C});
+  if (C > 1 && r.stride(1) != 1) r = r.contiguous();
+  return r;
+}
+
+// (B, T, C) with a contiguous last dimension.
+torch::Tensor last_contiguous(const torch::Tensor& x) {
+  return x.size(-1) > 1 && x.stride(-1) != 1 ? x.contiguous() : x;
+}
+
+bool is_silu(const std::string& act) {
+  if (act == "swish" || act == "silu") return true;
+  TORCH_CHECK(act == "sigmoid", "gated: act must be swish, silu or sigmoid, got '", act, "'");
+  return false;
+}
+
+#ifdef FOX_WITH_CUDA
+
+struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+  // Optional tensors are std::optional: autograd::Function takes no undefined tensors.
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const std::optional<torch::Tensor>& weight_in, int64_t group,
+                               double eps, torch::ScalarType out_dtype) {
+    const auto weight = weight_in.value_or(torch::Tensor());
+    auto x2 = rows_view(x);
+    auto w = weight.defined() ? weight.to(torch::kFloat32).contiguous() : torch::Tensor();
+    auto y = torch::empty(x.sizes(), x.options().dtype(out_dtype));
+    auto rstd = torch::empty({x2.size(0), x2.size(1) / group}, x.options().dtype(torch::kFloat32));
+    cuda::rms_norm_forward(x2, w, group, eps, y.view({-1, x2.size(1)}), rstd);
+    ctx->save_for_backward({x2, w, rstd});
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["weight_dtype"] =
+        weight.defined() ? int64_t(weight.scalar_type()) : int64_t(torch::kFloat32);
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
+    const int64_t group = ctx->saved_data["group"].toInt();
+    auto dy = rows_view(grads[0]);
+    auto dx = torch::empty(x2.sizes(), x2.options());
+    torch::Tensor dw;
+    if (w.defined() && ctx->needs_input_grad(1)) dw = torch::empty({x2.size(1)}, rstd.options());
+    cuda::rms_norm_backward(dy, x2, w, rstd, group, dx, dw);
+    if (dw.defined()) dw = dw.to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
+    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& cur_in,
+                               const torch::Tensor& logits_in,
+                               const std::optional<torch::Tensor>& first_opt) {
+    const auto first_in = first_opt.value_or(torch::Tensor());
+    auto cur = last_contiguous(cur_in);
+    auto logits = last_contiguous(logits_in.to(cur.scalar_type()));
+    auto first = first_in.defined() ? first_in.to(cur.scalar_type()).contiguous() : first_in;
+    auto out = torch::empty(cur.sizes(), cur.options());
+    cuda::shift_mix_forward(cur, logits, first, out);
+    ctx->save_for_backward({cur, logits, first});
+    ctx->saved_data["logits_dtype"] = int64_t(logits_in.scalar_type());
+    ctx->saved_data["first_dtype"] =
+        first_in.defined() ? int64_t(first_in.scalar_type()) : int64_t(cur.scalar_type());
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &cur = saved[0], &logits = saved[1], &first = saved[2];
+    auto dout = grads[0].to(cur.scalar_type()).contiguous();
+    auto dcur = torch::empty(cur.sizes(), cur.options());
+    auto dlogits = torch::empty(logits.sizes(), logits.options());
+    torch::Tensor dfirst;
+    if (first.defined() && ctx->needs_input_grad(2)) dfirst = torch::empty(first.sizes(), first.options());
+    cuda::shift_mix_backward(dout, cur, logits, first, dcur, dlogits, dfirst);
+    dlogits = dlogits.to(torch::ScalarType(ctx->saved_data["logits_dtype"].toInt()));
+    if (dfirst.defined()) dfirst = dfirst.to(torch::ScalarType(ctx->saved_data["first_dtype"].toInt()));
+    return {dcur, dlogits, dfirst};
+  }
+};
+
+struct GatedFunction : public torch::autograd::Function<GatedFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& value, bool silu) {
+    const auto dtype = torch::promote_types(gate.scalar_type(), value.scalar_type());
+    auto g = rows_view(gate.to(dtype)), u = rows_view(value.to(dtype));
+    auto y = torch::empty(value.sizes(), value.options().dtype(dtype));
+    cuda::gated_forward(g, u, silu, y.view({-1, g.size(1)}));
+    ctx->save_for_backward({g, u});
+    ctx->saved_data["silu"] = silu;
+    ctx->saved_data["gate_dtype"] = int64_t(gate.scalar_type());
+    ctx->saved_data["value_dtype"] = int64_t(value.scalar_type());
+    ctx->saved_data["sizes"] = value.sizes().vec();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &g = saved[0], &u = saved[1];
+    auto dy = grads[0].to(g.scalar_type()).contiguous();
+    auto dg = torch::empty(g.sizes(), g.options()), du = torch::empty(u.sizes(), u.options());
+    cuda::gated_backward(dy, g, u, ctx->saved_data["silu"].toBool(), dg, du);
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    return {dg.view(sizes).to(torch::ScalarType(ctx->saved_data["gate_dtype"].toInt())),
+            du.view(sizes).to(torch::ScalarType(ctx->saved_data["value_dtype"].toInt())),
+            torch::Tensor()};
+  }
+};
+
+struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
+                               const torch::Tensor& labels_in, int64_t ignore_index) {
+    auto logits = rows_view(logits_in);
+    auto labels = labels_in.reshape({-1}).to(logits.device(), torch::kLong).contiguous();
+    auto f32 = logits.options().dtype(torch::kFloat32);
+    auto loss = torch::empty({logits.size(0)}, f32), lse = torch::empty({logits.size(0)}, f32);
+    cuda::cross_entropy_forward(logits, labels, ignore_index, loss, lse);
+    ctx->save_for_backward({logits, labels, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["sizes"] = logits_in.sizes().vec();
+    return loss.view(labels_in.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &labels = saved[1], &lse = saved[2];
+    auto dloss = grads[0].to(torch::kFloat32).reshape({-1}).contiguous();
+    auto dlogits = torch::empty(logits.sizes(), logits.options());
+    cuda::cross_entropy_backward(dloss, logits, labels, lse, ctx->saved_data["ignore_index"].toInt(),
+                                 dlogits);
+    return {dlogits.view(ctx->saved_data["sizes"].toIntVector()), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+#endif  // FOX_WITH_CUDA
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int64_t group_size,
+                       double eps) {
+  const int64_t C = x.dim() > 0 ? x.size(-1) : 0;
+  TORCH_CHECK(x.dim() >= 1 && group_size > 0 && C % group_size == 0, "rms_norm: the last dimension (",
+              C, ") of x ", x.sizes(), " must be a positive multiple of group_size (", group_size, ")");
+  TORCH_CHECK(!weight.defined() || (weight.dim() == 1 && weight.size(0) == C),
+              "rms_norm: weight must be (", C, ",), got ", weight.sizes());
+  auto out_dtype = x.scalar_type();
+  if (out_dtype == torch::kFloat32 && at::autocast::is_autocast_enabled(x.device().type())) {
+    out_dtype = at::autocast::get_autocast_dtype(x.device().type());
+  }
+#ifdef FOX_WITH_CUDA
+  if (fused(x) && x.numel() > 0) {
+    return RMSNormFunction::apply(
+        x, weight.defined() ? std::optional<torch::Tensor>(weight) : std::nullopt, group_size, eps,
+        out_dtype);
+  }
+#endif
+  auto sizes = x.sizes().vec();
+  std::vector<int64_t> grouped(sizes.begin(), sizes.end() - 1);
+  grouped.push_back(C / group_size);
+  grouped.push_back(group_size);
+  auto xf = x.reshape(grouped).to(compute_dtype(x));
+  auto y = (xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).reshape(sizes);
+  if (weight.defined()) y = y * weight.to(y.scalar_type());
+  return y.to(out_dtype);
+}
+
+torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_logits,
+                        const std::optional<torch::Tensor>& first) {
+  TORCH_CHECK(cur.dim() == 3, "shift_mix: cur must be (batch, seqlen, channels), got ", cur.sizes());
+  const int64_t B = cur.size(0), T = cur.size(1), C = cur.size(2);
+  TORCH_CHECK(shift_logits.dim() == 3 && shift_logits.size(0) == B && shift_logits.size(1) == T &&
+                  shift_logits.size(2) > 0 && C % shift_logits.size(2) == 0,
+              "shift_mix: shift_logits must be (", B, ", ", T, ", heads) with heads dividing ", C,
+              ", got ", shift_logits.sizes());
+  const bool has_first = first.has_value() && first->defined();
+  if (has_first) {
+    TORCH_CHECK(first->dim() == 2 && first->size(0) == B && first->size(1) == C,
+                "shift_mix: first must be (", B, ", ", C, "), got ", first->sizes());
+  }
+#ifdef FOX_WITH_CUDA
+  if (fused(cur) && cur.numel() > 0) {
+    return ShiftMixFunction::apply(cur, shift_logits, has_first ? first : std::nullopt);
+  }
+#endif
+  const int64_t H = shift_logits.size(2), D = C / H;
+  const auto gate_dtype = compute_dtype(cur);
+  auto alpha = torch::sigmoid(shift_logits.to(gate_dtype)).unsqueeze(-1);  // (B, T, H, 1)
+  auto row0 = has_first ? first->to(cur.scalar_type()).unsqueeze(1)
+                        : torch::zeros({B, 1, C}, cur.options());
+  auto prev = torch::cat({row0, cur.narrow(1, 0, T - 1)}, 1);
+  auto now = cur.reshape({B, T, H, D}).to(gate_dtype);
+  auto before = prev.view({B, T, H, D}).to(gate_dtype);
+  return (alpha * before + (1 - alpha) * now).to(cur.scalar_type()).view({B, T, C});
+}
+
+torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act) {
+  TORCH_CHECK(gate.sizes() == value.sizes(), "gated: gate ", gate.sizes(),
+              " and value ", value.sizes(), " must have the same shape");
+  const bool silu = is_silu(act);
+#ifdef FOX_WITH_CUDA
+  if (fused(gate) && fused(value) && gate.dim() >= 1 && gate.numel() > 0) {
+    return GatedFunction::apply(gate, value, silu);
+  }
+#endif
+  return (silu ? torch::nn::functional::silu(gate) : torch::sigmoid(gate)) * value;
+}
+
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels,
+                            int64_t ignore_index) {
+  TORCH_CHECK(logits.dim() >= 1 && logits.dim() == labels.dim() + 1 &&
+                  logits.sizes().slice(0, labels.dim()) == labels.sizes(),
+              "cross_entropy: logits (..., vocab) ", logits.sizes(),
+              " must match labels (...) ", labels.sizes());
+  TORCH_CHECK(!at::isFloatingType(labels.scalar_type()),
+              "cross_entropy: labels must be integer class indices, got ", labels.scalar_type());
+#ifdef FOX_WITH_CUDA
+  if (fused(logits) && logits.numel() > 0) {
+    return CrossEntropyFunction::apply(logits, labels, ignore_index);
+  }
+#endif
+  auto lf = logits.to(compute_dtype(logits));
+  auto loss = torch::nn::functional::cross_entropy(
+      lf.reshape({-1, lf.size(-1)}), labels.reshape({-1}).to(logits.device(), torch::kLong),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(
+          ignore_index));
+  return loss.view(labels.sizes());
+}
+
+}  // namespace fox::nn::functional
