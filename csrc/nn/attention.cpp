@@ -151,34 +151,39 @@ torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate_from(const torch::Te
   return F::logsigmoid(fgate_bias.to(fdt)).expand({B, T, H}).contiguous();
 }
 
-std::vector<torch::Tensor> ForgettingAttentionLayerImpl::project_input(const torch::Tensor& x) {
-  // One GEMM for every projection of x (q, k, v, the shift gates, the forget and output gates):
-  // the weights are concatenated on the fly, the parameters keep the authors' names, and the
-  // backward of split_with_sizes is one concatenation of the output gradients.
+ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
+    const torch::Tensor& x) {
+  // One GEMM for every projection of x: the weights are concatenated on the fly (the parameters
+  // keep the authors' names) and the backward of split_with_sizes is one concatenation. The wide
+  // outputs come first and the width is padded to a multiple of 64 (zero rows), so every wide
+  // slice starts 16-byte aligned and the GEMM runs its aligned kernels.
+  InputProjections out;
+  std::vector<torch::Tensor*> targets;
   std::vector<torch::Tensor> weights, biases;
   std::vector<int64_t> widths;
   bool any_bias = false;
-  auto add = [&](const torch::nn::Linear& l) {
+  auto add = [&](const torch::nn::Linear& l, torch::Tensor* target) {
+    targets.push_back(target);
     weights.push_back(l->weight);
     biases.push_back(l->bias);
     widths.push_back(l->weight.size(0));
     any_bias = any_bias || l->bias.defined();
   };
-  add(q_proj);
-  if (k_shift_proj) {
-    add(k_shift_proj->linear);
-    add(k_shift_proj->shift_proj);
-  } else {
-    add(k_proj);
+  add(q_proj, &out.q);
+  add(k_shift_proj ? k_shift_proj->linear : k_proj, &out.k);
+  add(v_shift_proj ? v_shift_proj->linear : v_proj, &out.v);
+  if (ogate_proj) add(ogate_proj, &out.ogate_logits);
+  if (k_shift_proj) add(k_shift_proj->shift_proj, &out.k_shift_logits);
+  if (v_shift_proj) add(v_shift_proj->shift_proj, &out.v_shift_logits);
+  if (fgate_proj) add(fgate_proj, &out.fgate_logits);
+  int64_t width = 0;
+  for (auto w : widths) width += w;
+  const int64_t padding = (64 - width % 64) % 64;
+  if (padding) {
+    weights.push_back(torch::zeros({padding, x.size(-1)}, weights[0].options()));
+    biases.push_back(torch::Tensor());
+    widths.push_back(padding);
   }
-  if (v_shift_proj) {
-    add(v_shift_proj->linear);
-    add(v_shift_proj->shift_proj);
-  } else {
-    add(v_proj);
-  }
-  if (fgate_proj) add(fgate_proj);
-  if (ogate_proj) add(ogate_proj);
   torch::Tensor bias;
   if (any_bias) {
     for (size_t i = 0; i < biases.size(); ++i) {
@@ -186,7 +191,9 @@ std::vector<torch::Tensor> ForgettingAttentionLayerImpl::project_input(const tor
     }
     bias = torch::cat(biases);
   }
-  return F::linear(x, torch::cat(weights), bias).split_with_sizes(widths, -1);
+  auto parts = F::linear(x, torch::cat(weights), bias).split_with_sizes(widths, -1);
+  for (size_t i = 0; i < targets.size(); ++i) *targets[i] = parts[i];
+  return out;
 }
 
 torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, LayerCache* cache,
@@ -213,24 +220,22 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     x = x * valid.unsqueeze(-1).to(x.scalar_type());
   }
 
-  auto projections = project_input(x);
-  size_t next = 0;
-  auto q = projections[next++];
-  auto shifted = [&](ShiftLinear& shift, torch::Tensor* state) {
-    auto projected = projections[next++];
-    auto logits = projections[next++];
+  auto p = project_input(x);
+  auto shifted = [&](ShiftLinear& shift, const torch::Tensor& projected,
+                     const torch::Tensor& logits, torch::Tensor* state) {
     std::optional<torch::Tensor> prev;
     if (cache && state->defined()) prev = *state;
     auto [out, last] = shift->shift(projected, logits, prev);
     if (cache) *state = last.clone();  // not a view that would keep the whole projection alive
     return out;
   };
-  auto k = k_shift_proj ? shifted(k_shift_proj, cache ? &cache->key_shift : nullptr)
-                        : projections[next++];
-  auto v = v_shift_proj ? shifted(v_shift_proj, cache ? &cache->value_shift : nullptr)
-                        : projections[next++];
-  auto fgate_logits = fgate_proj ? projections[next++] : torch::Tensor();
-  auto ogate_logits = ogate_proj ? projections[next++] : torch::Tensor();
+  auto q = p.q;
+  auto k = k_shift_proj ? shifted(k_shift_proj, p.k, p.k_shift_logits,
+                                  cache ? &cache->key_shift : nullptr)
+                        : p.k;
+  auto v = v_shift_proj ? shifted(v_shift_proj, p.v, p.v_shift_logits,
+                                  cache ? &cache->value_shift : nullptr)
+                        : p.v;
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);
@@ -246,7 +251,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     q = apply_rotary(q, positions, o.rope_base());
     k = apply_rotary(k, positions, o.rope_base());
   }
-  auto log_fgate = log_forget_gate_from(x, fgate_logits);  // (B, T, H) fp32 (fp64 models: fp64)
+  auto log_fgate = log_forget_gate_from(x, p.fgate_logits);  // (B, T, H) fp32 (fp64 models: fp64)
   if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
   const int64_t Tk = k.size(1);
 
@@ -271,7 +276,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   auto out = fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
-  if (ogate_proj) out = functional::gated(ogate_logits, out, o.ogate_act());
+  if (ogate_proj) out = functional::gated(p.ogate_logits, out, o.ogate_act());
   return o_proj(out);
 }
 

@@ -44,6 +44,19 @@ torch::Tensor last_contiguous(const torch::Tensor& x) {
   return x.size(-1) > 1 && x.stride(-1) != 1 ? x.contiguous() : x;
 }
 
+// An incoming gradient as a contiguous, 16-byte aligned tensor (what the row kernels read).
+torch::Tensor aligned(const torch::Tensor& g) {
+  auto c = g.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+#ifdef FOX_WITH_CUDA
+// Whether the fused row kernels take rows of `channels` in groups of `group` from these tensors.
+bool rows_fit(int64_t channels, int64_t group, std::initializer_list<torch::Tensor> tensors) {
+  return cuda::row_vector_width(channels, group, tensors) > 0;
+}
+#endif
+
 bool is_silu(const std::string& act) {
   if (act == "swish" || act == "silu") return true;
   TORCH_CHECK(act == "sigmoid", "gated: act must be swish, silu or sigmoid, got '", act, "'");
@@ -75,7 +88,7 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
     auto saved = ctx->get_saved_variables();
     const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
     const int64_t group = ctx->saved_data["group"].toInt();
-    auto dy = rows_view(grads[0]);
+    auto dy = aligned(rows_view(grads[0]));
     auto dx = torch::empty(x2.sizes(), x2.options());
     torch::Tensor dw;
     if (w.defined() && ctx->needs_input_grad(1)) dw = torch::empty({x2.size(1)}, rstd.options());
@@ -106,7 +119,7 @@ struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &cur = saved[0], &logits = saved[1], &first = saved[2];
-    auto dout = grads[0].to(cur.scalar_type()).contiguous();
+    auto dout = aligned(grads[0].to(cur.scalar_type()));
     auto dcur = torch::empty(cur.sizes(), cur.options());
     auto dlogits = torch::empty(logits.sizes(), logits.options());
     torch::Tensor dfirst;
@@ -136,7 +149,7 @@ struct GatedFunction : public torch::autograd::Function<GatedFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &g = saved[0], &u = saved[1];
-    auto dy = grads[0].to(g.scalar_type()).contiguous();
+    auto dy = aligned(grads[0].to(g.scalar_type()));
     auto dg = torch::empty(g.sizes(), g.options()), du = torch::empty(u.sizes(), u.options());
     cuda::gated_backward(dy, g, u, ctx->saved_data["silu"].toBool(), dg, du);
     const auto sizes = ctx->saved_data["sizes"].toIntVector();
@@ -188,7 +201,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int6
     out_dtype = at::autocast::get_autocast_dtype(x.device().type());
   }
 #ifdef FOX_WITH_CUDA
-  if (fused(x) && x.numel() > 0) {
+  if (fused(x) && x.numel() > 0 && rows_fit(C, group_size, {rows_view(x)})) {
     return RMSNormFunction::apply(
         x, weight.defined() ? std::optional<torch::Tensor>(weight) : std::nullopt, group_size, eps,
         out_dtype);
@@ -218,7 +231,9 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
                 "shift_mix: first must be (", B, ", ", C, "), got ", first->sizes());
   }
 #ifdef FOX_WITH_CUDA
-  if (fused(cur) && cur.numel() > 0) {
+  if (fused(cur) && cur.numel() > 0 && shift_logits.scalar_type() == cur.scalar_type() &&
+      (!has_first || first->scalar_type() == cur.scalar_type()) &&
+      rows_fit(C, C / shift_logits.size(2), {last_contiguous(cur), has_first ? *first : torch::Tensor()})) {
     return ShiftMixFunction::apply(cur, shift_logits, has_first ? first : std::nullopt);
   }
 #endif
@@ -238,7 +253,9 @@ torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const
               " and value ", value.sizes(), " must have the same shape");
   const bool silu = is_silu(act);
 #ifdef FOX_WITH_CUDA
-  if (fused(gate) && fused(value) && gate.dim() >= 1 && gate.numel() > 0) {
+  if (fused(gate) && gate.scalar_type() == value.scalar_type() && gate.dim() >= 1 &&
+      gate.numel() > 0 && gate.device() == value.device() &&
+      rows_fit(gate.size(-1), gate.size(-1), {rows_view(gate), rows_view(value)})) {
     return GatedFunction::apply(gate, value, silu);
   }
 #endif

@@ -56,12 +56,13 @@ def check(fn, ref, inputs, dtype, grad_out, names):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [64, 96, 192])
-def test_rms_norm(device, dtype, group):
+@pytest.mark.parametrize("offset", [0, 5])  # 16-byte aligned rows (wide loads) or not
+def test_rms_norm(device, dtype, group, offset):
     B, T, C = 2, 37, 192
     wide = torch.randn(B, T, C + 40, device=device).to(dtype)  # x is a slice: row stride C + 40
     w = (1 + 0.3 * torch.randn(C, device=device))
-    check(lambda xw, w: fused.rms_norm(xw[..., 5:5 + C], w, group, 1e-5),
-          lambda xw, w, cd: ref_rms_norm(xw[..., 5:5 + C], w, group, 1e-5, cd),
+    check(lambda xw, w: fused.rms_norm(xw[..., offset:offset + C], w, group, 1e-5),
+          lambda xw, w, cd: ref_rms_norm(xw[..., offset:offset + C], w, group, 1e-5, cd),
           [wide, w], dtype, torch.randn(B, T, C, device=device), ["dx", "dweight"])
 
 
@@ -76,10 +77,11 @@ def test_rms_norm_without_weight_and_autocast_dtype(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_first", [False, True])
-def test_shift_mix(device, dtype, with_first):
+@pytest.mark.parametrize("extra", [7, 61])  # row stride C + 10 (2-element loads) or C + 64 (16-byte)
+def test_shift_mix(device, dtype, with_first, extra):
     B, T, H, D = 2, 29, 3, 64
     C = H * D
-    wide = torch.randn(B, T, C + H + 7, device=device).to(dtype)  # [cur | logits | other]
+    wide = torch.randn(B, T, C + H + extra, device=device).to(dtype)  # [cur | logits | other]
     first = torch.randn(B, C, device=device).to(dtype) if with_first else None
 
     def fn(wide, *rest):

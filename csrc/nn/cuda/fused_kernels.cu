@@ -16,75 +16,119 @@ namespace {
 
 constexpr int kWarp = 32;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
 
 int64_t blocks_for(int64_t n, int threads) { return (n + threads - 1) / threads; }
 
-// ---- RMSNorm ------------------------------------------------------------------------------------
-// One warp per row; the groups of a row one after another (a group of 64 is two elements a lane).
 
-template <typename in_t, typename out_t>
+// ---- row kernels ----------------------------------------------------------------------------------
+// A block holds `rows_per_block` rows of C channels, each thread VEC consecutive channels of one row
+// (one 16-byte load where alignment allows), so every input is read from memory once. Sums over a
+// group of channels (an RMSNorm group, a KV-shift head) go through shared memory in a fixed order.
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(pk.v[i]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = static_cast<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+// The sum of `value` over each run of `per_group` consecutive threads of this block row, in a fixed
+// order. Whole warps: shuffles, then the group's warp totals; a power of two within a warp:
+// shuffles; otherwise through shared memory. One call per kernel (the buffer is not reused).
+__device__ __forceinline__ float group_sum(float value, int per_group) {
+  extern __shared__ float partial[];
+  float* row = partial + threadIdx.y * blockDim.x;
+  if (per_group % kWarp == 0) {  // then blockDim.x is a multiple of 32 too: no warp spans rows
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) value += __shfl_xor_sync(0xffffffffu, value, o);
+    if (threadIdx.x % kWarp == 0) row[threadIdx.x / kWarp] = value;
+    __syncthreads();
+    const int first = (threadIdx.x - threadIdx.x % per_group) / kWarp;
+    float s = 0.f;
+    for (int i = 0; i < per_group / kWarp; ++i) s += row[first + i];
+    return s;
+  }
+  if (kWarp % per_group == 0 && (blockDim.x * blockDim.y) % kWarp == 0) {
+    for (int o = per_group / 2; o > 0; o /= 2) value += __shfl_xor_sync(0xffffffffu, value, o);
+    return value;
+  }
+  row[threadIdx.x] = value;
+  __syncthreads();
+  const int first = threadIdx.x - threadIdx.x % per_group;
+  float s = 0.f;
+  for (int i = 0; i < per_group; ++i) s += row[first + i];
+  return s;
+}
+
+__device__ __forceinline__ int64_t block_row() {
+  return int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+template <typename in_t, typename out_t, int VEC>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
                                         const float* __restrict__ w, out_t* __restrict__ y,
                                         float* __restrict__ rstd, int64_t rows, int C, int G,
                                         float eps) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-  if (row >= rows) return;
-  const in_t* xr = x + row * x_rs;
-  out_t* yr = y + row * C;
-  const int groups = C / G;
-  for (int g = 0; g < groups; ++g) {
-    const int base = g * G;
-    float ss = 0.f;
-    for (int e = lane; e < G; e += kWarp) {
-      const float v = static_cast<float>(xr[base + e]);
-      ss += v * v;
-    }
-    const float r = rsqrtf(warp_sum(ss) / G + eps);
-    if (lane == 0) rstd[row * groups + g] = r;
-    for (int e = lane; e < G; e += kWarp) {
-      float v = static_cast<float>(xr[base + e]) * r;
-      if (w) v *= w[base + e];
-      yr[base + e] = static_cast<out_t>(v);
-    }
-  }
+  const int64_t row = block_row();
+  const bool active = row < rows;
+  const int c = threadIdx.x * VEC;
+  float v[VEC] = {};
+  if (active) load(x + row * x_rs + c, v);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) ss += v[i] * v[i];
+  const float r = rsqrtf(group_sum(ss, G / VEC) / G + eps);
+  if (!active) return;
+  if (c % G == 0) rstd[row * (C / G) + c / G] = r;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] *= r * (w ? w[c + i] : 1.f);
+  store(y + row * C + c, v);
 }
 
 // dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r.
-template <typename in_t, typename grad_t>
+template <typename in_t, typename grad_t, int VEC>
 __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
                                          const in_t* __restrict__ x, int64_t x_rs,
                                          const float* __restrict__ w,
                                          const float* __restrict__ rstd, in_t* __restrict__ dx,
                                          int64_t rows, int C, int G) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-  if (row >= rows) return;
-  const grad_t* dyr = dy + row * dy_rs;
-  const in_t* xr = x + row * x_rs;
-  in_t* dxr = dx + row * C;
-  const int groups = C / G;
-  for (int g = 0; g < groups; ++g) {
-    const int base = g * G;
-    const float r = rstd[row * groups + g];
-    float dot = 0.f;
-    for (int e = lane; e < G; e += kWarp) {
-      const float wdy = static_cast<float>(dyr[base + e]) * (w ? w[base + e] : 1.f);
-      dot += wdy * static_cast<float>(xr[base + e]);
-    }
-    const float m = warp_sum(dot) * r / G;  // mean(w dy xhat)
-    for (int e = lane; e < G; e += kWarp) {
-      const float wdy = static_cast<float>(dyr[base + e]) * (w ? w[base + e] : 1.f);
-      dxr[base + e] = static_cast<in_t>(r * (wdy - static_cast<float>(xr[base + e]) * r * m));
-    }
+  const int64_t row = block_row();
+  const bool active = row < rows;
+  const int c = threadIdx.x * VEC;
+  float xv[VEC] = {}, g[VEC] = {};
+  float r = 0.f;
+  if (active) {
+    load(x + row * x_rs + c, xv);
+    load(dy + row * dy_rs + c, g);
+    r = rstd[row * (C / G) + c / G];
   }
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    g[i] *= w ? w[c + i] : 1.f;
+    dot += g[i] * xv[i];
+  }
+  const float m = group_sum(dot, G / VEC) * r / G;  // mean(w dy xhat)
+  if (!active) return;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
+  store(dx + row * C + c, g);
 }
 
 // dweight partial sums: thread per channel, block row per chunk of rows (coalesced over channels);
@@ -109,99 +153,121 @@ __global__ void rms_norm_weight_grad_kernel(const grad_t* __restrict__ dy, int64
 }
 
 // ---- KV-shift -------------------------------------------------------------------------------------
+// Row (b, t): out = a * prev + (1 - a) * cur with a = sigmoid(logit of the thread's head).
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void shift_mix_forward_kernel(const T* __restrict__ cur, int64_t cur_bs, int64_t cur_ts,
                                          const T* __restrict__ logits, int64_t lg_bs,
                                          int64_t lg_ts, const T* __restrict__ first,
                                          T* __restrict__ out, int64_t B, int64_t T_, int C,
                                          int D) {
-  const int64_t n = B * T_ * C;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int c = int(i % C);
-    const int64_t t = (i / C) % T_, b = i / (C * T_);
-    const float a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + c / D]));
-    const float now = static_cast<float>(cur[b * cur_bs + t * cur_ts + c]);
-    const float prev = t > 0 ? static_cast<float>(cur[b * cur_bs + (t - 1) * cur_ts + c])
-                             : (first ? static_cast<float>(first[b * C + c]) : 0.f);
-    out[i] = static_cast<T>(a * prev + (1.f - a) * now);
+  const int64_t row = block_row();
+  if (row >= B * T_) return;
+  const int64_t b = row / T_, t = row % T_;
+  const int c = threadIdx.x * VEC;
+  const float a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + c / D]));
+  float now[VEC], prev[VEC] = {};
+  load(cur + b * cur_bs + t * cur_ts + c, now);
+  if (t > 0) {
+    load(cur + b * cur_bs + (t - 1) * cur_ts + c, prev);
+  } else if (first) {
+    load(first + b * C + c, prev);
   }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) now[i] = a * prev[i] + (1.f - a) * now[i];
+  store(out + row * C + c, now);
 }
 
-// One warp per (b, t, head): dcur[t] = (1 - a_t) dout[t] + a_{t+1} dout[t+1];
-// dlogit = a (1 - a) sum_d (prev - cur) dout; dfirst = a_0 dout[0].
-template <typename T>
+// dcur[t] = (1 - a_t) dout[t] + a_{t+1} dout[t+1]; dlogit = a (1 - a) sum_head (prev - cur) dout;
+// dfirst = a_0 dout[0].
+template <typename T, int VEC>
 __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* __restrict__ cur,
                                           int64_t cur_bs, int64_t cur_ts,
                                           const T* __restrict__ logits, int64_t lg_bs,
                                           int64_t lg_ts, const T* __restrict__ first,
                                           T* __restrict__ dcur, T* __restrict__ dlogits,
-                                          T* __restrict__ dfirst, int64_t B, int64_t T_, int H,
+                                          T* __restrict__ dfirst, int64_t B, int64_t T_, int C,
                                           int D) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-  if (item >= B * T_ * H) return;
-  const int h = int(item % H);
-  const int64_t t = (item / H) % T_, b = item / (H * T_);
-  const int C = H * D;
-  const float a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + h]));
+  const int64_t row = block_row();
+  const bool active = row < B * T_;
+  const int64_t b = row / T_, t = row % T_;
+  const int c = threadIdx.x * VEC, h = c / D;
   const bool has_next = t + 1 < T_;
-  const float a_next =
-      has_next ? sigmoidf(static_cast<float>(logits[b * lg_bs + (t + 1) * lg_ts + h])) : 0.f;
-  const int64_t row = (b * T_ + t) * C;
-  float acc = 0.f;
-  for (int d = lane; d < D; d += kWarp) {
-    const int c = h * D + d;
-    const float g = static_cast<float>(dout[row + c]);
-    const float g_next = has_next ? static_cast<float>(dout[row + C + c]) : 0.f;
-    dcur[row + c] = static_cast<T>((1.f - a) * g + a_next * g_next);
-    const float now = static_cast<float>(cur[b * cur_bs + t * cur_ts + c]);
-    const float prev = t > 0 ? static_cast<float>(cur[b * cur_bs + (t - 1) * cur_ts + c])
-                             : (first ? static_cast<float>(first[b * C + c]) : 0.f);
-    acc += (prev - now) * g;
-    if (t == 0 && dfirst) dfirst[b * C + c] = static_cast<T>(a * g);
+  float g[VEC] = {}, g_next[VEC] = {}, now[VEC] = {}, prev[VEC] = {};
+  float a = 0.f, a_next = 0.f;
+  if (active) {
+    a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + h]));
+    load(dout + row * C + c, g);
+    load(cur + b * cur_bs + t * cur_ts + c, now);
+    if (t > 0) {
+      load(cur + b * cur_bs + (t - 1) * cur_ts + c, prev);
+    } else if (first) {
+      load(first + b * C + c, prev);
+    }
+    if (has_next) {
+      a_next = sigmoidf(static_cast<float>(logits[b * lg_bs + (t + 1) * lg_ts + h]));
+      load(dout + (row + 1) * C + c, g_next);
+    }
   }
-  acc = warp_sum(acc);
-  if (lane == 0) dlogits[(b * T_ + t) * H + h] = static_cast<T>(acc * a * (1.f - a));
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) dot += (prev[i] - now[i]) * g[i];
+  dot = group_sum(dot, D / VEC);
+  if (!active) return;
+  if (c % D == 0) dlogits[row * (C / D) + h] = static_cast<T>(dot * a * (1.f - a));
+  if (t == 0 && dfirst) {
+    float df[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) df[i] = a * g[i];
+    store(dfirst + b * C + c, df);
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) g[i] = (1.f - a) * g[i] + a_next * g_next[i];
+  store(dcur + row * C + c, g);
 }
 
 // ---- gates: y = act(g) * u ------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void gated_forward_kernel(const T* __restrict__ g, int64_t g_rs,
                                      const T* __restrict__ u, int64_t u_rs, T* __restrict__ y,
                                      int64_t rows, int C, bool silu) {
-  const int64_t n = rows * C;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / C;
-    const int c = int(i % C);
-    const float gv = static_cast<float>(g[r * g_rs + c]);
-    const float s = sigmoidf(gv);
-    y[i] = static_cast<T>((silu ? gv * s : s) * static_cast<float>(u[r * u_rs + c]));
+  const int64_t row = block_row();
+  if (row >= rows) return;
+  const int c = threadIdx.x * VEC;
+  float gv[VEC], uv[VEC];
+  load(g + row * g_rs + c, gv);
+  load(u + row * u_rs + c, uv);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float s = sigmoidf(gv[i]);
+    uv[i] *= silu ? gv[i] * s : s;
   }
+  store(y + row * C + c, uv);
 }
 
-template <typename T>
+template <typename T, int VEC>
 __global__ void gated_backward_kernel(const T* __restrict__ dy, const T* __restrict__ g,
                                       int64_t g_rs, const T* __restrict__ u, int64_t u_rs,
                                       T* __restrict__ dg, T* __restrict__ du, int64_t rows,
                                       int C, bool silu) {
-  const int64_t n = rows * C;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / C;
-    const int c = int(i % C);
-    const float gv = static_cast<float>(g[r * g_rs + c]);
-    const float uv = static_cast<float>(u[r * u_rs + c]);
-    const float d = static_cast<float>(dy[i]);
-    const float s = sigmoidf(gv);
-    const float act = silu ? gv * s : s;
-    const float dact = silu ? s * (1.f + gv * (1.f - s)) : s * (1.f - s);
-    dg[i] = static_cast<T>(d * uv * dact);
-    du[i] = static_cast<T>(d * act);
+  const int64_t row = block_row();
+  if (row >= rows) return;
+  const int c = threadIdx.x * VEC;
+  float gv[VEC], uv[VEC], d[VEC];
+  load(g + row * g_rs + c, gv);
+  load(u + row * u_rs + c, uv);
+  load(dy + row * C + c, d);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float s = sigmoidf(gv[i]);
+    const float act = silu ? gv[i] * s : s;
+    const float dact = silu ? s * (1.f + gv[i] * (1.f - s)) : s * (1.f - s);
+    gv[i] = d[i] * uv[i] * dact;
+    uv[i] = d[i] * act;
   }
+  store(dg + row * C + c, gv);
+  store(du + row * C + c, uv);
 }
 
 // ---- cross entropy ----------------------------------------------------------------------------------
@@ -279,8 +345,34 @@ __global__ void __launch_bounds__(kLossThreads)
 
 // ---- host side ------------------------------------------------------------------------------------
 
-#define FOX_FLOAT_TYPES(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+#define FOX_FLOAT_TYPES(TYPE, NAME, ...)                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+#define FOX_VEC_SWITCH(vec, ...)   \
+  switch (vec) {                   \
+    case 8: {                      \
+      constexpr int VEC = 8;       \
+      __VA_ARGS__();               \
+      break;                       \
+    }                              \
+    case 4: {                      \
+      constexpr int VEC = 4;       \
+      __VA_ARGS__();               \
+      break;                       \
+    }                              \
+    case 2: {                      \
+      constexpr int VEC = 2;       \
+      __VA_ARGS__();               \
+      break;                       \
+    }                              \
+    default: {                     \
+      constexpr int VEC = 1;       \
+      __VA_ARGS__();               \
+    }                              \
+  }
 
 const float* optional_float(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<float>() : nullptr;
@@ -294,15 +386,46 @@ T* optional_mut(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
-constexpr int kRowThreads = 256;  // 8 rows (warps) per block
-constexpr int kElementThreads = 256;
+constexpr int kMaxRowThreads = 1024;
 
-int elementwise_blocks(int64_t n) {
-  const int64_t cap = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
-  return int(std::max<int64_t>(1, std::min<int64_t>(blocks_for(n, kElementThreads), cap)));
+// Threads (x: one row's VEC-channel slices; y: rows) and shared memory of a row-kernel block.
+struct RowLaunch {
+  dim3 grid, block;
+  size_t smem;
+};
+RowLaunch row_launch(int64_t rows, int64_t channels, int vec) {
+  const int tx = int(channels / vec);
+  const int ty = std::max(1, 256 / tx);
+  return {dim3(unsigned(blocks_for(rows, ty))), dim3(unsigned(tx), unsigned(ty)),
+          size_t(tx) * ty * sizeof(float)};
+}
+
+int checked_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors) {
+  const int vec = row_vector_width(channels, group, tensors);
+  TORCH_CHECK(vec > 0, "fused row kernel: channels ", channels, " / group ", group,
+              " do not fit (the caller checks row_vector_width first)");
+  return vec;
 }
 
 }  // namespace
+
+int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors) {
+  if (channels <= 0 || group <= 0 || channels % group != 0) return 0;
+  int64_t widest = 1;
+  for (const auto& t : tensors) {
+    if (t.defined()) widest = std::max<int64_t>(widest, t.element_size());
+  }
+  for (int vec = int(16 / widest); vec >= 1; vec /= 2) {
+    bool fits = channels % vec == 0 && group % vec == 0;
+    for (const auto& t : tensors) {
+      if (!t.defined() || !fits) continue;
+      fits = reinterpret_cast<uintptr_t>(t.data_ptr()) % (vec * t.element_size()) == 0;
+      for (int64_t d = 0; d + 1 < t.dim() && fits; ++d) fits = t.stride(d) % vec == 0;
+    }
+    if (fits) return channels / vec <= kMaxRowThreads ? vec : 0;
+  }
+  return 0;
+}
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd) {
@@ -310,14 +433,17 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   const int64_t rows = x.size(0);
   const int C = int(x.size(1));
   if (rows == 0) return;
+  const int vec = checked_width(C, group, {x, y});
+  const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
-  const auto grid = blocks_for(rows, kRowThreads / kWarp);
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_forward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(y.scalar_type(), "rms_norm_forward", [&] {
-      rms_norm_forward_kernel<in_t, scalar_t><<<grid, kRowThreads, 0, stream>>>(
-          x.data_ptr<in_t>(), x.stride(0), optional_float(weight), y.data_ptr<scalar_t>(),
-          rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+      FOX_VEC_SWITCH(vec, [&] {
+        rms_norm_forward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+            x.data_ptr<in_t>(), x.stride(0), optional_float(weight), y.data_ptr<scalar_t>(),
+            rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+      });
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -334,14 +460,17 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     if (dweight.defined()) dweight.zero_();
     return;
   }
+  const int vec = checked_width(C, group, {x, dy, dx});
+  const auto L = row_launch(rows, C, vec);
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
-      rms_norm_backward_kernel<in_t, scalar_t>
-          <<<blocks_for(rows, kRowThreads / kWarp), kRowThreads, 0, stream>>>(
-              dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
-              optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
-              int(group));
+      FOX_VEC_SWITCH(vec, [&] {
+        rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+            dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
+            optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
+            int(group));
+      });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (dweight.defined()) {
         const int64_t chunks = std::min<int64_t>(rows, 512);
@@ -363,15 +492,18 @@ void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at
                        const at::Tensor& out) {
   c10::cuda::CUDAGuard guard(cur.device());
   const int64_t B = cur.size(0), T = cur.size(1);
-  const int C = int(cur.size(2)), H = int(logits.size(2));
-  const int64_t n = B * T * C;
-  if (n == 0) return;
+  const int C = int(cur.size(2)), D = C / int(logits.size(2));
+  if (B * T == 0) return;
+  const int vec = checked_width(C, D, {cur, first, out});
+  const auto L = row_launch(B * T, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(cur.scalar_type(), "shift_mix_forward", [&] {
-    shift_mix_forward_kernel<scalar_t><<<elementwise_blocks(n), kElementThreads, 0, stream>>>(
-        cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1), logits.data_ptr<scalar_t>(),
-        logits.stride(0), logits.stride(1), optional_ptr<scalar_t>(first),
-        out.data_ptr<scalar_t>(), B, T, C, C / H);
+    FOX_VEC_SWITCH(vec, [&] {
+      shift_mix_forward_kernel<scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+          cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1), logits.data_ptr<scalar_t>(),
+          logits.stride(0), logits.stride(1), optional_ptr<scalar_t>(first),
+          out.data_ptr<scalar_t>(), B, T, C, D);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -381,17 +513,19 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
                         const at::Tensor& dlogits, const at::Tensor& dfirst) {
   c10::cuda::CUDAGuard guard(cur.device());
   const int64_t B = cur.size(0), T = cur.size(1);
-  const int C = int(cur.size(2)), H = int(logits.size(2));
-  const int64_t items = B * T * H;
-  if (items == 0) return;
+  const int C = int(cur.size(2)), D = C / int(logits.size(2));
+  if (B * T == 0) return;
+  const int vec = checked_width(C, D, {dout, cur, first, dcur, dfirst});
+  const auto L = row_launch(B * T, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(cur.scalar_type(), "shift_mix_backward", [&] {
-    shift_mix_backward_kernel<scalar_t>
-        <<<blocks_for(items, kRowThreads / kWarp), kRowThreads, 0, stream>>>(
-            dout.data_ptr<scalar_t>(), cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1),
-            logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
-            optional_ptr<scalar_t>(first), dcur.data_ptr<scalar_t>(),
-            dlogits.data_ptr<scalar_t>(), optional_mut<scalar_t>(dfirst), B, T, H, C / H);
+    FOX_VEC_SWITCH(vec, [&] {
+      shift_mix_backward_kernel<scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+          dout.data_ptr<scalar_t>(), cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1),
+          logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
+          optional_ptr<scalar_t>(first), dcur.data_ptr<scalar_t>(),
+          dlogits.data_ptr<scalar_t>(), optional_mut<scalar_t>(dfirst), B, T, C, D);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -400,13 +534,16 @@ void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at
   c10::cuda::CUDAGuard guard(g.device());
   const int64_t rows = g.size(0);
   const int C = int(g.size(1));
-  const int64_t n = rows * C;
-  if (n == 0) return;
+  if (rows == 0) return;
+  const int vec = checked_width(C, C, {g, u, y});
+  const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(g.scalar_type(), "gated_forward", [&] {
-    gated_forward_kernel<scalar_t><<<elementwise_blocks(n), kElementThreads, 0, stream>>>(
-        g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(), u.stride(0),
-        y.data_ptr<scalar_t>(), rows, C, silu);
+    FOX_VEC_SWITCH(vec, [&] {
+      gated_forward_kernel<scalar_t, VEC><<<L.grid, L.block, 0, stream>>>(
+          g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(), u.stride(0),
+          y.data_ptr<scalar_t>(), rows, C, silu);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -416,13 +553,16 @@ void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor&
   c10::cuda::CUDAGuard guard(g.device());
   const int64_t rows = g.size(0);
   const int C = int(g.size(1));
-  const int64_t n = rows * C;
-  if (n == 0) return;
+  if (rows == 0) return;
+  const int vec = checked_width(C, C, {dy, g, u, dg, du});
+  const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(g.scalar_type(), "gated_backward", [&] {
-    gated_backward_kernel<scalar_t><<<elementwise_blocks(n), kElementThreads, 0, stream>>>(
-        dy.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(),
-        u.stride(0), dg.data_ptr<scalar_t>(), du.data_ptr<scalar_t>(), rows, C, silu);
+    FOX_VEC_SWITCH(vec, [&] {
+      gated_backward_kernel<scalar_t, VEC><<<L.grid, L.block, 0, stream>>>(
+          dy.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(),
+          u.stride(0), dg.data_ptr<scalar_t>(), du.data_ptr<scalar_t>(), rows, C, silu);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

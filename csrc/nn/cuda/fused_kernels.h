@@ -4,9 +4,17 @@
 // csrc/nn/functional.cpp, which owns the autograd and the fallbacks.
 #pragma once
 
+#include <initializer_list>
+
 #include <ATen/core/Tensor.h>
 
 namespace fox::nn::cuda {
+
+// The row kernels (all but the loss) give each thread VEC consecutive channels of a row: the widest
+// VEC (<= 16 bytes) that the channel count, the group size (norm group, head) and every tensor's
+// alignment and row strides allow, with at most 1024 threads a row. 0: they cannot take these
+// tensors (the callers then use the ATen formulas).
+int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors);
 
 // y = x * rsqrt(mean_group(x^2) + eps) * weight, per group of `group` channels; rstd (rows, C/group).
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,

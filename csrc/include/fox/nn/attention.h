@@ -91,9 +91,11 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   torch::Tensor log_forget_gate(const torch::Tensor& x);
   /// log_forget_gate from fgate_proj(x) computed elsewhere (undefined for the other gate types).
   torch::Tensor log_forget_gate_from(const torch::Tensor& x, const torch::Tensor& fgate_logits);
-  /// Every projection of x in one GEMM, in the order q, k (or k's linear and shift_proj), v (same),
-  /// fgate_proj, ogate_proj, the absent ones left out.
-  std::vector<torch::Tensor> project_input(const torch::Tensor& x);
+  /// Every projection of x, computed in one GEMM (views of its output; absent ones undefined).
+  struct InputProjections {
+    torch::Tensor q, k, v, k_shift_logits, v_shift_logits, fgate_logits, ogate_logits;
+  };
+  InputProjections project_input(const torch::Tensor& x);
 
   int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }
   int64_t num_kv_heads() const { return options.num_kv_heads().value_or(options.num_heads()); }
