@@ -99,34 +99,29 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
   }
 };
 
+// The fused functions below see inputs of one dtype (the callers check it).
 struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& cur_in,
                                const torch::Tensor& logits_in,
                                const std::optional<torch::Tensor>& first_opt) {
-    const auto first_in = first_opt.value_or(torch::Tensor());
     auto cur = last_contiguous(cur_in);
-    auto logits = last_contiguous(logits_in.to(cur.scalar_type()));
-    auto first = first_in.defined() ? first_in.to(cur.scalar_type()).contiguous() : first_in;
+    auto logits = last_contiguous(logits_in);
+    auto first = first_opt ? first_opt->contiguous() : torch::Tensor();  // read as (B, C)
     auto out = torch::empty(cur.sizes(), cur.options());
     cuda::shift_mix_forward(cur, logits, first, out);
     ctx->save_for_backward({cur, logits, first});
-    ctx->saved_data["logits_dtype"] = int64_t(logits_in.scalar_type());
-    ctx->saved_data["first_dtype"] =
-        first_in.defined() ? int64_t(first_in.scalar_type()) : int64_t(cur.scalar_type());
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &cur = saved[0], &logits = saved[1], &first = saved[2];
-    auto dout = aligned(grads[0].to(cur.scalar_type()));
+    auto dout = aligned(grads[0]);
     auto dcur = torch::empty(cur.sizes(), cur.options());
     auto dlogits = torch::empty(logits.sizes(), logits.options());
     torch::Tensor dfirst;
     if (first.defined() && ctx->needs_input_grad(2)) dfirst = torch::empty(first.sizes(), first.options());
     cuda::shift_mix_backward(dout, cur, logits, first, dcur, dlogits, dfirst);
-    dlogits = dlogits.to(torch::ScalarType(ctx->saved_data["logits_dtype"].toInt()));
-    if (dfirst.defined()) dfirst = dfirst.to(torch::ScalarType(ctx->saved_data["first_dtype"].toInt()));
     return {dcur, dlogits, dfirst};
   }
 };
@@ -134,14 +129,11 @@ struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
 struct GatedFunction : public torch::autograd::Function<GatedFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
                                const torch::Tensor& value, bool silu) {
-    const auto dtype = torch::promote_types(gate.scalar_type(), value.scalar_type());
-    auto g = rows_view(gate.to(dtype)), u = rows_view(value.to(dtype));
-    auto y = torch::empty(value.sizes(), value.options().dtype(dtype));
+    auto g = rows_view(gate), u = rows_view(value);
+    auto y = torch::empty(value.sizes(), value.options());
     cuda::gated_forward(g, u, silu, y.view({-1, g.size(1)}));
     ctx->save_for_backward({g, u});
     ctx->saved_data["silu"] = silu;
-    ctx->saved_data["gate_dtype"] = int64_t(gate.scalar_type());
-    ctx->saved_data["value_dtype"] = int64_t(value.scalar_type());
     ctx->saved_data["sizes"] = value.sizes().vec();
     return y;
   }
@@ -149,13 +141,11 @@ struct GatedFunction : public torch::autograd::Function<GatedFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto &g = saved[0], &u = saved[1];
-    auto dy = aligned(grads[0].to(g.scalar_type()));
+    auto dy = aligned(grads[0]);
     auto dg = torch::empty(g.sizes(), g.options()), du = torch::empty(u.sizes(), u.options());
     cuda::gated_backward(dy, g, u, ctx->saved_data["silu"].toBool(), dg, du);
     const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    return {dg.view(sizes).to(torch::ScalarType(ctx->saved_data["gate_dtype"].toInt())),
-            du.view(sizes).to(torch::ScalarType(ctx->saved_data["value_dtype"].toInt())),
-            torch::Tensor()};
+    return {dg.view(sizes), du.view(sizes), torch::Tensor()};
   }
 };
 
