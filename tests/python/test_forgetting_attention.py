@@ -697,3 +697,29 @@ def test_pruned_tiles_are_not_computed(device, dtype, D):
     out, dq = run(-30.0)
     assert torch.isfinite(out[:, far]).all()
     assert torch.isfinite(dq[:, far]).all()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 32), (torch.bfloat16, 64), (torch.bfloat16, 128)])
+def test_pruned_tiles_are_not_computed_dkdv(device, dtype, D):
+    """The dK/dV pass skips pruned tiles too: output gradients poisoned with NaN far after the
+    first keys reach dK and dV of those keys without pruning (their probabilities underflow to 0,
+    but 0 * NaN is NaN), and not with it."""
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("one CPU case is enough")
+    torch.manual_seed(0)
+    B, T, H = 1, 2048, 2
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype) for _ in range(3))
+    log_fgate = torch.full((B, T, H), -1.0, device=device)
+    grad_out = torch.randn_like(q)
+    grad_out[:, 1024:] = float("nan")
+    near = slice(0, 256)  # keys at least ~700 positions before every poisoned row
+
+    def run(threshold):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = forgetting_transformer.forgetting_attention(qq, kk, vv, log_fgate, adaptive_threshold=threshold)
+        return torch.autograd.grad(out, (kk, vv), grad_out)
+
+    dk, dv = run(None)
+    assert dk[:, near].isnan().any() and dv[:, near].isnan().any()  # the poison does reach them
+    dk, dv = run(-30.0)
+    assert torch.isfinite(dk[:, near]).all() and torch.isfinite(dv[:, near]).all()

@@ -23,6 +23,16 @@ namespace fox::cuda::hopper {
 constexpr int kBwdQueries = 64;  // query tile of the dkdv kernel
 constexpr int kBwdKeys = 64;     // key tile of the dq kernel
 
+// Blocks per SM of the dq kernel: at head dim 64 its tiles are small and a block waits on its own
+// short wgmma chains, so two blocks (shared memory ~66 KB each) overlap, at the price of a
+// 128-register cap (~120 bytes of spills). The dkdv kernel keeps two more accumulators and
+// would spill ~830 bytes under that cap: one block.
+#ifndef FOX_HOPPER_DQ_MIN_BLOCKS_64
+#define FOX_HOPPER_DQ_MIN_BLOCKS_64 2
+#endif
+template <int kHeadDim>
+constexpr int kDqMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_DQ_MIN_BLOCKS_64 : 1;
+
 template <int kHeadDim>
 struct DkdvSmem {
   static constexpr int kKV = kBlockN * kHeadDim;      // K or V: 128 keys
@@ -156,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float rk[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) rk[hi] = (c_cur - Tk[warp_row0 + group + 8 * hi]) * kLog2e;
+    const float r_last = c_cur - Tk[nk - 1];  // R of the last key (c_cur moves on with the queries)
     // When the first query lies tiles above the keys (seqlen_q < seqlen_k), C of its 128-tile:
     // the T of the boundaries in between, summed by every warp alike (xor butterfly).
     const int64_t first_tile = (qt_begin * kBwdQueries + offset) / kBlockN;
@@ -183,7 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t kb = boundary - p0;
       const float c_next = kb >= 0 && kb < kBwdQueries ? c_cur + Tq[kb] : c_cur;
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
-      const float r_last = c_cur - Tk[nk - 1];
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
       const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
       if (max_bias < p.prune_threshold) break;
@@ -281,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     dq_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
               int64_t num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
