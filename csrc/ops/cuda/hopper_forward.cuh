@@ -131,8 +131,10 @@ __device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows
 // The scores of this thread's two rows (hi = 0, 1) against a tile of kCols keys, log2 domain:
 // x = S * scale_log2 + rq[hi] - R_j with R_j = C - T_j (C = carry, T of the keys in shared
 // memory), -inf past column last_col[hi] (causal) or before first_col (first_key) when kMasked.
-// Hands every (accumulator index, hi, x) to `use`.
-template <bool kMasked, int kCols, class Use>
+// Hands every (accumulator index, hi, x) to `use`. Without kRowTerm, rq is left out of x (a
+// softmax does not change under a constant per row: the forward adds it to the lse instead,
+// one add per row instead of one per score).
+template <bool kMasked, int kCols, bool kRowTerm = true, class Use>
 __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const float* Tk,
                                                float carry, const float (&rq)[2],
                                                float scale_log2, const int64_t (&last_col)[2],
@@ -151,7 +153,8 @@ __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], con
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hi = e >> 1;
-      float x = fmaf(sc[4 * n + e], scale_log2, rq[hi] + ((e & 1) ? b1 : b0));
+      const float b = (e & 1) ? b1 : b0;
+      float x = fmaf(sc[4 * n + e], scale_log2, kRowTerm ? rq[hi] + b : b);
       if constexpr (kMasked) {
         const int col = n * 8 + quad * 2 + (e & 1);
         if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
@@ -290,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const float c_a = T_[a];
   const float c_above = ta + 1 < (s.len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f;
   auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
-  float rq[2];  // R of this thread's two query rows, log2 domain
+  float rq[2];  // R of this thread's two query rows, log2 domain (added to the lse at the end)
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int64_t pos = min64(a + row_of(hi), L);
@@ -350,9 +353,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       tile_max[hi] = fmaxf(tile_max[hi], x);
     };
     if (j0 + kBlockN - 1 > a || j0 < s.first_key)
-      for_each_score<true, kBlockN>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
+      for_each_score<true, kBlockN, false>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
     else
-      for_each_score<false, kBlockN>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
+      for_each_score<false, kBlockN, false>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
     float correction[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
@@ -410,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     if (r >= nq) continue;
     const bool empty = row_sum[hi] == 0.f;
     const float inv = empty ? 0.f : 1.f / row_sum[hi];
-    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]);
+    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]) + rq[hi];
     if constexpr (kSplit) {
       const int64_t row = s.batch_index * p.seqlen_q + s.row_q + i0 + r;
       const int64_t slot = ((b % num_tiles) * p.num_heads + h) * split.total_rows + row;
