@@ -260,8 +260,8 @@ def main():
         if args.only_check:
             sys.exit(0 if ok else 1)
     sizes = [2048, 16384] if args.quick else [2048, 4096, 8192, 16384]
-    print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b | flex f+b | sdpa f+b | ours/flex fwd | ours/flex f+b | ours/sdpa fwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b | flex f+b | sdpa f+b | ours/flex fwd | ours/flex f+b | ours+ACP/flex f+b | ours/sdpa fwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for D, H in ((64, 32), (128, 16)):
         for N in sizes:
             torch.cuda.empty_cache()
@@ -269,10 +269,12 @@ def main():
             acp = bench_prefill(D, H, N, thr=args.threshold, with_flex=False)
             f = lambda key, src=r: f"{src[key]:.0f}" if key in src else "-"
             ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+            acp_ratio = f"{acp['ours_fb_tf'] / r['flex_fb_tf']:.2f}" if "flex_fb_tf" in r else "-"
             print(f"| {D} | {H} | {N} | {r['B']} | {f('ours_fwd_tf')} | {f('ours_fwd_tf', acp)} | "
                   f"{f('flex_fwd_tf')} | {f('sdpa_fwd_tf')} | {f('ours_fb_tf')} | {f('ours_fb_tf', acp)} | "
                   f"{f('flex_fb_tf')} | {f('sdpa_fb_tf')} | {ratio('ours_fwd_tf', 'flex_fwd_tf')} | "
-                  f"{ratio('ours_fb_tf', 'flex_fb_tf')} | {ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |", flush=True)
+                  f"{ratio('ours_fb_tf', 'flex_fb_tf')} | {acp_ratio} | {ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |",
+                  flush=True)
     print()
     for B, Tk in ((1, 32768), (8, 32768), (1, 131072)):
         d = bench_decode(B=B, Tk=Tk)
