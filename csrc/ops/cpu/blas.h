@@ -1,6 +1,6 @@
 // Row-major tile products on top of the Fortran BLAS that LibTorch links and exports (MKL or
-// OpenBLAS: sgemm_/dgemm_). The kernels call these from inside at::parallel_for, where the BLAS
-// runs single-threaded (nested OpenMP regions are off), so each task owns one core.
+// OpenBLAS: sgemm_/dgemm_). The kernels call these from inside an OpenMP team (parallel.h), where
+// the BLAS runs single-threaded (nested OpenMP regions are off), so each task owns one core.
 #pragma once
 
 #include <cstdint>

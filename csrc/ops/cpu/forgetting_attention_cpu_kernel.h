@@ -1,7 +1,7 @@
 // CPU kernels of Forgetting Attention: tiled, online softmax, O(N*D) extra memory.
 //
 // Kernels read only ForwardParams/BackwardParams; matrix products of tiles go to the BLAS that
-// LibTorch links (blas.h) and the work is spread with at::parallel_for.
+// LibTorch links (blas.h) and the work is spread over the cores by parallel_tasks (parallel.h).
 //
 // Gate bias without cancellation: for a tile of queries anchored at position a (its first query
 // for the forward/dQ passes, the last key of the key tile for the dK/dV pass) we keep
@@ -16,9 +16,9 @@
 #include <limits>
 #include <vector>
 
-#include <ATen/Parallel.h>
 #include "../params.h"
 #include "blas.h"
+#include "parallel.h"
 #include "vectorized.h"
 
 namespace fox::cpu {
@@ -109,9 +109,12 @@ struct QueryTile {
 template <typename T>
 inline bool query_tile(const ForwardParams& p, int64_t task, int64_t max_q_tiles,
                        QueryTile<T>& t, Bias* Rq) {
-  t.h = (task / max_q_tiles) % p.num_heads;
-  t.s = p.sequence(task / (max_q_tiles * p.num_heads));
-  t.i0 = (task % max_q_tiles) * kBlockQ;
+  // Tasks go out from the last query tiles (most key tiles) to the first, so that the cheapest
+  // tasks come last and even out the cores' loads.
+  const int64_t pairs = p.batch * p.num_heads;
+  t.h = (task % pairs) % p.num_heads;
+  t.s = p.sequence((task % pairs) / p.num_heads);
+  t.i0 = (max_q_tiles - 1 - task / pairs) * kBlockQ;
   if (t.i0 >= t.s.len_q) return false;
   t.nq = std::min(kBlockQ, t.s.len_q - t.i0);
   t.hv = head_view<T>(p, t.s, t.h);
@@ -131,10 +134,10 @@ void forward_kernel(const ForwardParams& p) {
   const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
   const int64_t num_tasks = p.batch * H * max_q_tiles;
 
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(num_tasks, [&](TaskQueue& tasks) {
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * D), row_max(kBlockQ), row_sum(kBlockQ);
     std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.next(task);) {
       QueryTile<T> tile;
       if (!query_tile(p, task, max_q_tiles, tile, Rq.data())) continue;
       const auto& [s, h, i0, nq, anchor, last_pos, hv] = tile;
@@ -228,8 +231,8 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
   };
 
   // delta_i = dO_i . O_i
-  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
+  parallel_tasks(p.batch * H, [&](TaskQueue& tasks) {
+    for (int64_t bh; tasks.next(bh);) {
       const SequenceView s = p.sequence(bh / H);
       const int64_t h = bh % H;
       const T* o = out_row(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, s, h);
@@ -254,11 +257,11 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
   // backwards as the forward does.
   auto dq_pass = [&]() {
   const int64_t max_q_tiles = (p.seqlen_q + kBlockQ - 1) / kBlockQ;
-  at::parallel_for(0, p.batch * H * max_q_tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.batch * H * max_q_tiles, [&](TaskQueue& tasks) {
     std::vector<Acc> P(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq(kBlockQ * D);
     std::vector<Bias> Rq(kBlockQ), Rk(kBlockK);
     std::vector<Acc> delta(kBlockQ), rowsum(kBlockQ);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.next(task);) {
       QueryTile<T> tile;
       if (!query_tile(p, task, max_q_tiles, tile, Rq.data())) continue;
       const auto& [s, h, i0, nq, anchor, last_pos, hv] = tile;
@@ -392,10 +395,10 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
   if (p.batch * Hkv >= at::get_num_threads()) {
     // Enough (sequence, kv head) pairs to fill the cores: one pass per pair, dQ accumulated in a
     // float buffer of the pair (group x len_q x D), visiting key tiles in order (deterministic).
-    at::parallel_for(0, p.batch * Hkv, 1, [&](int64_t begin, int64_t end) {
+    parallel_tasks(p.batch * Hkv, [&](TaskQueue& tasks) {
       TileBuffers buf(D);
       std::vector<Acc> dq_acc, rowsum_acc;
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t task; tasks.next(task);) {
         const int64_t hk = task % Hkv;
         const SequenceView s = p.sequence(task / Hkv);
         dq_acc.assign(group * s.len_q * D, Acc(0));
@@ -412,12 +415,12 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
     });
   } else {
     // Few pairs: spread the key tiles over the cores, then compute dQ in a second pass.
-    at::parallel_for(0, p.batch * Hkv * max_k_tiles, 1, [&](int64_t begin, int64_t end) {
+    // Key tiles in order: the first ones see the most query tiles, so the cheapest come last.
+    parallel_tasks(p.batch * Hkv * max_k_tiles, [&](TaskQueue& tasks) {
       TileBuffers buf(D);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t hk = (task / max_k_tiles) % Hkv;
-        key_tile(buf, p.sequence(task / (max_k_tiles * Hkv)), hk, task % max_k_tiles, nullptr,
-                 nullptr);
+      for (int64_t task; tasks.next(task);) {
+        const int64_t pair = task % (p.batch * Hkv);
+        key_tile(buf, p.sequence(pair / Hkv), pair % Hkv, task / (p.batch * Hkv), nullptr, nullptr);
       }
     });
     dq_pass();
@@ -425,8 +428,8 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
   // dlog_fgate_t = sum_{u >= t} dc_u with dc_u = rowsum_u(dS) - colsum_u(dS), accumulated in
   // float64. The row sums vanish in exact arithmetic, but not for a saved O rounded to bf16/fp16
   // (delta = dO.O then misses dO.(O - round(O))), and the reverse cumsum would add that error up.
-  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
+  parallel_tasks(p.batch * H, [&](TaskQueue& tasks) {
+    for (int64_t bh; tasks.next(bh);) {
       const SequenceView s = p.sequence(bh / H);
       const int64_t h = bh % H;
       const T* dc_row = dc + (s.batch_index * H + h) * p.seqlen_k + s.row_k;
