@@ -156,9 +156,11 @@ void forward_kernel(const ForwardParams& p) {
         // tiles only have smaller biases, so the rest of the row is pruned too.
         if (key_biases(hv, anchor, j0, j1, Rq.data(), carry, Rk.data()) < p.prune_threshold) break;
 
-        gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
-                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), S.data(), kBlockK);
-        for (int64_t r = 0; r < nq; ++r) {
+        // Rows [0, r0) precede the tile's first key (diagonal tiles only): nothing to compute.
+        const int64_t r0 = std::clamp<int64_t>(j0 - anchor, 0, nq - 1);
+        gemm_abt<Acc>(nq - r0, nk, D, static_cast<Acc>(p.scale), hv.q + (i0 + r0) * hv.ldq, hv.ldq,
+                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), S.data() + r0 * kBlockK, kBlockK);
+        for (int64_t r = r0; r < nq; ++r) {
           Acc* srow = S.data() + r * kBlockK;
           // keys after the query's position are masked (only in the diagonal tile)
           const int64_t visible = std::clamp<int64_t>(anchor + r - j0 + 1, 0, nk);
@@ -175,8 +177,8 @@ void forward_kernel(const ForwardParams& p) {
           row_max[r] = new_max;
           if (correction != Acc(1)) scale_row(acc.data() + r * D, correction, D);
         }
-        gemm_ab<Acc>(nq, D, nk, Acc(1), S.data(), kBlockK, hv.v + j0 * hv.ldv, hv.ldv, Acc(1),
-                     acc.data(), D);
+        gemm_ab<Acc>(nq - r0, D, nk, Acc(1), S.data() + r0 * kBlockK, kBlockK, hv.v + j0 * hv.ldv,
+                     hv.ldv, Acc(1), acc.data() + r0 * D, D);
         j1 = j0;
       }
 
@@ -279,15 +281,19 @@ void backward_kernel(const BackwardParams& p, T* dc /* (batch, heads, seqlen_k) 
         const int64_t j0 = std::max(s.first_key, j1 - kBlockK);
         const int64_t nk = j1 - j0;
         if (key_biases(hv, anchor, j0, j1, Rq.data(), carry, Rk.data()) < p.prune_threshold) break;
-        gemm_abt<Acc>(nq, nk, D, static_cast<Acc>(p.scale), hv.q + i0 * hv.ldq, hv.ldq,
-                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P.data(), kBlockK);
-        gemm_abt<Acc>(nq, nk, D, Acc(1), dout, p.do_row_stride, hv.v + j0 * hv.ldv, hv.ldv, Acc(0),
-                      dP.data(), kBlockK);
-        probabilities_and_dscores<Acc>(nq, nk, Rq.data(), Rk.data(), anchor, j0, lse,
-                                       delta.data(), P.data(), dP.data(), kBlockK);
-        gemm_ab<Acc>(nq, D, nk, static_cast<Acc>(p.scale), dP.data(), kBlockK, hv.k + j0 * hv.ldk,
-                     hv.ldk, Acc(1), dq.data(), D);
-        for (int64_t r = 0; r < nq; ++r) rowsum[r] += sum_row(dP.data() + r * kBlockK, nk);
+        // Rows [0, r0) precede the tile's first key, as in the forward.
+        const int64_t r0 = std::clamp<int64_t>(j0 - anchor, 0, nq - 1), m = nq - r0;
+        Acc* P_r0 = P.data() + r0 * kBlockK;
+        Acc* dP_r0 = dP.data() + r0 * kBlockK;
+        gemm_abt<Acc>(m, nk, D, static_cast<Acc>(p.scale), hv.q + (i0 + r0) * hv.ldq, hv.ldq,
+                      hv.k + j0 * hv.ldk, hv.ldk, Acc(0), P_r0, kBlockK);
+        gemm_abt<Acc>(m, nk, D, Acc(1), dout + r0 * p.do_row_stride, p.do_row_stride,
+                      hv.v + j0 * hv.ldv, hv.ldv, Acc(0), dP_r0, kBlockK);
+        probabilities_and_dscores<Acc>(m, nk, Rq.data() + r0, Rk.data(), anchor + r0, j0, lse + r0,
+                                       delta.data() + r0, P_r0, dP_r0, kBlockK);
+        gemm_ab<Acc>(m, D, nk, static_cast<Acc>(p.scale), dP_r0, kBlockK, hv.k + j0 * hv.ldk,
+                     hv.ldk, Acc(1), dq.data() + r0 * D, D);
+        for (int64_t r = r0; r < nq; ++r) rowsum[r] += sum_row(dP.data() + r * kBlockK, nk);
         j1 = j0;
       }
       write_dq(s, h, i0, nq, dq.data());
