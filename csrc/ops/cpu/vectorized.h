@@ -45,13 +45,14 @@ inline float fast_exp(float x) {
 // The gate sums (bias_q, bias_k) are float64: d = bias_q - bias_k[c] is a difference of two sums
 // over up to a tile of strongly forgetting gates, which float32 would not resolve.
 
-// s[c] += bias_q - bias_k[c]; returns max_c s[c].
+// s[c] = s[c] * scale + bias_q - bias_k[c]; returns max_c s[c]. (The softmax scale is applied
+// here, not by the GEMM: the bf16 micro-kernel has no alpha.)
 FOX_CPU_CLONES float add_bias_and_max(float* __restrict s, const double* __restrict bias_k,
-                                      double bias_q, int64_t n) {
+                                      double bias_q, float scale, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < n; ++c) {
-    const float x = s[c] + static_cast<float>(bias_q - bias_k[c]);
+    const float x = s[c] * scale + static_cast<float>(bias_q - bias_k[c]);
     s[c] = x;
     m = x > m ? x : m;
   }
@@ -69,14 +70,44 @@ FOX_CPU_CLONES float exp_and_sum(float* __restrict s, float m, int64_t n) {
   return sum;
 }
 
-// p[c] = exp(p[c] + bias_q - bias_k[c] - lse); dp[c] = p[c] * (dp[c] - delta)
+// p[c] = exp(p[c] * scale + bias_q - bias_k[c] - lse); dp[c] = p[c] * (dp[c] - delta)
 FOX_CPU_CLONES void probs_and_dscores(float* __restrict p, float* __restrict dp,
-                                      const double* __restrict bias_k, double bias_q, float lse,
-                                      float delta, int64_t n) {
+                                      const double* __restrict bias_k, double bias_q, float scale,
+                                      float lse, float delta, int64_t n) {
   for (int64_t c = 0; c < n; ++c) {
-    const float prob = fast_exp(p[c] + static_cast<float>(bias_q - bias_k[c]) - lse);
+    const float prob = fast_exp(p[c] * scale + static_cast<float>(bias_q - bias_k[c]) - lse);
     p[c] = prob;
     dp[c] = prob * (dp[c] - delta);
+  }
+}
+
+// float -> bfloat16 bits, round to nearest even (finite inputs), in integer arithmetic so the
+// loops below vectorize.
+inline uint16_t bf16_bits(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// y[c] = bf16(x[c])
+FOX_CPU_CLONES void to_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) y[c] = bf16_bits(x[c]);
+}
+
+// Two rows into one VNNI row pair: y[2c] = bf16(x0[c]), y[2c + 1] = bf16(x1[c]).
+FOX_CPU_CLONES void interleave_bf16(const float* __restrict x0, const float* __restrict x1,
+                                    uint16_t* __restrict y, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    y[2 * c] = bf16_bits(x0[c]);
+    y[2 * c + 1] = bf16_bits(x1[c]);
+  }
+}
+
+// x as the sum of two bf16 numbers (about 16 significant bits): y[2c] = hi, y[2c + 1] = lo.
+FOX_CPU_CLONES void split_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    const uint16_t hi = bf16_bits(x[c]);
+    y[2 * c] = hi;
+    y[2 * c + 1] = bf16_bits(x[c] - std::bit_cast<float>(static_cast<uint32_t>(hi) << 16));
   }
 }
 
@@ -96,10 +127,11 @@ FOX_CPU_CLONES float sum_row(const float* __restrict x, int64_t n) {
 }
 
 // float64 versions: exactness over speed.
-inline double add_bias_and_max(double* s, const double* bias_k, double bias_q, int64_t n) {
+inline double add_bias_and_max(double* s, const double* bias_k, double bias_q, double scale,
+                               int64_t n) {
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t c = 0; c < n; ++c) {
-    s[c] += bias_q - bias_k[c];
+    s[c] = s[c] * scale + bias_q - bias_k[c];
     m = std::max(m, s[c]);
   }
   return m;
@@ -115,9 +147,9 @@ inline double exp_and_sum(double* s, double m, int64_t n) {
 }
 
 inline void probs_and_dscores(double* p, double* dp, const double* bias_k, double bias_q,
-                              double lse, double delta, int64_t n) {
+                              double scale, double lse, double delta, int64_t n) {
   for (int64_t c = 0; c < n; ++c) {
-    const double prob = std::exp(p[c] + bias_q - bias_k[c] - lse);
+    const double prob = std::exp(p[c] * scale + bias_q - bias_k[c] - lse);
     p[c] = prob;
     dp[c] = prob * (dp[c] - delta);
   }
