@@ -233,6 +233,56 @@ __device__ __forceinline__ void fence_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Handoff of the two stages of a walked tile sequence (tile `it` in stage it % 2) between the
+// threads of a block, which all load a part of every tile. With a barrier: a tile is readable
+// once every thread has waited for its copies and passed __syncthreads, which also tells that the
+// other stage is free. Decoupled: full[st] completes when the copies of every thread into stage
+// st have landed, empty[st] when every thread is done reading it; no thread waits for the others
+// except on a stage it is about to read or overwrite, so the warpgroups can drift apart and one
+// warpgroup's softmax runs under the other's wgmma.
+struct TileHandoff {
+  static constexpr size_t kBytes = 4 * sizeof(uint64_t);
+  uint64_t* full;
+  uint64_t* empty;
+  bool decoupled;
+
+  // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
+  __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_)
+      : full(static_cast<uint64_t*>(storage)), empty(full + 2), decoupled(decoupled_) {
+    if (decoupled && threadIdx.x == 0)
+      for (int st = 0; st < 2; ++st) {
+        mbarrier_init(full + st, kThreads);
+        mbarrier_init(empty + st, kThreads);
+      }
+  }
+  // This thread has issued its copies of tile `it`.
+  __device__ __forceinline__ void loaded(int64_t it) const {
+    if (decoupled)
+      cp_async_arrive(full + (it & 1));
+    else
+      cp_async_commit();
+  }
+  // Waits until tile `it` is readable (with a barrier: and every thread is done with tile it - 1).
+  __device__ __forceinline__ void wait_loaded(int64_t it) const {
+    if (decoupled) {
+      mbarrier_wait(full + (it & 1), static_cast<uint32_t>((it >> 1) & 1));
+      fence_async_proxy();
+    } else {
+      cp_async_wait<0>();
+      fence_async_proxy();
+      __syncthreads();
+    }
+  }
+  // Before loading tile `it`: every thread is done with tile it - 2 in the same stage.
+  __device__ __forceinline__ void wait_free(int64_t it) const {
+    if (decoupled && it >= 2) mbarrier_wait(empty + (it & 1), static_cast<uint32_t>(((it - 2) >> 1) & 1));
+  }
+  // This thread is done reading tile `it`.
+  __device__ __forceinline__ void release(int64_t it) const {
+    if (decoupled) mbarrier_arrive(empty + (it & 1));
+  }
+};
+
 // T_t[j] for every key j of every (sequence, head): one block of kBlockN threads per key tile.
 // `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. (A template: one copy per
 // instantiation file is fine.)
@@ -267,8 +317,7 @@ struct ForwardSmem {
   static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
   static constexpr size_t kBytesOnes = 512;                        // ones for the row sums
-  static constexpr size_t kBytesBarriers = 4 * sizeof(uint64_t);   // full and empty, per stage
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + kBytesOnes + kBytesBarriers;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + kBytesOnes + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -304,30 +353,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // a 64 x 8 accumulator whose element 2 * hi is row hi's sum; at 128 (tensor-bound) the ALU
   // adds the float P, and the quad of threads sharing a row reduces them at the end.
   constexpr bool kTensorRowSums = kHeadDim <= 64;
-  // Ones for the row sums (visible to wgmma after the fence and barrier at the top of the first
-  // tile).
+  // Ones for the row sums (visible to wgmma after the fence and barrier below).
   uint32_t* ones = reinterpret_cast<uint32_t*>(base + Smem::kBytesTiles + Smem::kBytesT);
   if constexpr (kTensorRowSums)
     for (int i = threadIdx.x; i < static_cast<int>(Smem::kBytesOnes / 4); i += kThreads)
       ones[i] = Mma::pack(1.f, 1.f);
   const uint64_t ones_desc = plain_descriptor(ones, 128, 256);
-  // Stage handoff. Decoupled (head dim 128, both warpgroups live): no block-wide barrier per
-  // tile; full[st] completes when every thread's copies into stage st have landed, empty[st] when
-  // every thread is done reading it, and the next tile is requested while this warpgroup's S is
-  // computed, so one warpgroup runs ahead of the other and its wgmma overlaps the other's
-  // softmax (-9% time). At head dim 64 (two blocks per SM, ALU-bound) that measured +24%, and in
-  // decoding (one live warpgroup) +13-16%: there, one barrier per tile, the request at its top.
-  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + Smem::kBytesTiles + Smem::kBytesT + Smem::kBytesOnes);
-  uint64_t* empty = full + 2;
-  if (kDecoupled && threadIdx.x == 0)
-    for (int st = 0; st < 2; ++st) {
-      mbarrier_init(full + st, kThreads);
-      mbarrier_init(empty + st, kThreads);
-    }
-  fence_async_proxy();  // the ones, for wgmma
-  __syncthreads();      // the ones and the initialized barriers, for every thread
-
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first query row in the block
@@ -350,7 +381,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
   const bool wg_live = 64 * wg < nq;
-  const bool decoupled = kDecoupled && nq > 64;  // both warpgroups hold queries
+  // Stage handoff (TileHandoff): decoupled at head dim 128 when both warpgroups hold queries, the
+  // next tile requested while this warpgroup's S is computed (-9% time). At head dim 64 (two
+  // blocks per SM, ALU-bound) that measured +24%, and in decoding (one live warpgroup) +13-16%:
+  // there, one barrier per tile, the request at its top.
+  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT + Smem::kBytesOnes,
+                            kDecoupled && nq > 64);
+  fence_async_proxy();  // the ones, for wgmma
+  __syncthreads();      // the ones and the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
   auto load_suffix = [&](float* dst, int64_t j0) {
     if (threadIdx.x < kBlockN) {
@@ -367,10 +406,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     load_tile<T, kBlockN, kHeadDim>(KV + Smem::kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
     load_suffix(Ts, j0);
   }
-  if (decoupled)
-    cp_async_arrive(full);
-  else
-    cp_async_commit();
+  handoff.loaded(0);
 
   // C of the tile of a and of the tile above it (the block's queries span at most these two).
   const int64_t ta = a / kBlockN;
@@ -402,40 +438,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
-    // This tile has landed (and, with a barrier, every warp is done with the previous one).
-    if (decoupled) {
-      mbarrier_wait(full + stage, static_cast<uint32_t>((it >> 1) & 1));
-      fence_async_proxy();
-    } else {
-      cp_async_wait<0>();
-      fence_async_proxy();
-      __syncthreads();
-    }
+    handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
     if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
-    // The next tile into the other stage, once every thread is done with the tile before this one.
-    auto prefetch_next = [&] {
+    auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
-      if (decoupled && it >= 1)
-        mbarrier_wait(empty + (stage ^ 1), static_cast<uint32_t>(((it - 1) >> 1) & 1));
+      handoff.wait_free(it + 1);
       const int64_t jn = j0 - kBlockN;
       T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
       load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
       load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
       load_suffix(Ts + (stage ^ 1) * kBlockN, jn);
-      if (decoupled)
-        cp_async_arrive(full + (stage ^ 1));
-      else
-        cp_async_commit();
+      handoff.loaded(it + 1);
     };
-    if (!decoupled) prefetch_next();
+    if (!handoff.decoupled) prefetch_next();
 
     if (!wg_live) {
-      if (decoupled) {
-        prefetch_next();
-        mbarrier_arrive(empty + stage);
-      }
+      if (handoff.decoupled) prefetch_next();
       carry -= Tk[0];
+      handoff.release(it);
       continue;
     }
     // S = Q K^T for this warpgroup's 64 rows x 128 keys.
@@ -443,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     cute::warpgroup_arrive();
     gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
     cute::warpgroup_commit_batch();
-    if (decoupled) prefetch_next();
+    if (handoff.decoupled) prefetch_next();
     cute::warpgroup_wait<0>();
     fence_registers(sc);
 
@@ -516,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     cute::warpgroup_wait<0>();
     fence_registers(o);
     fence_registers(row_sum_acc);
-    if (decoupled) mbarrier_arrive(empty + stage);  // this thread's reads are done
+    handoff.release(it);
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
 
