@@ -5,7 +5,8 @@
 // and keeps S and O in registers (wgmma accumulators). Key tiles of 128 keys are walked from the
 // diagonal downwards, double-buffered in shared memory by cp.async in the 128-byte-swizzled layout
 // that wgmma reads directly: S = Q K^T with both operands in shared memory (K-major), O += P V with
-// P from registers and V read transposed (MN-major).
+// P from registers and V read transposed (MN-major). The stages pass between the threads through
+// TileHandoff: a block barrier per tile, or mbarriers that let the two warpgroups drift apart.
 //
 // Gate bias without a serial walk: a pre-pass writes, per 128-key tile t, the tile-local suffix
 // sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms). Relative to the first query
@@ -201,7 +202,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int
   }
 }
 
-// mbarriers in shared memory (the stage handoff of the forward kernel).
+// mbarriers in shared memory (TileHandoff below).
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
 }
