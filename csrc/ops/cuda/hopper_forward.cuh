@@ -61,18 +61,6 @@ struct Gmma<__half, 128> {
   using RS = gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>;
 };
 
-// Row sums of P on the tensor cores: P (64 x keys, registers) times a keys x 8 matrix of ones.
-template <typename T>
-struct GmmaRowSum;
-template <>
-struct GmmaRowSum<__nv_bfloat16> {
-  using RS = gmma::MMA_64x8x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
-};
-template <>
-struct GmmaRowSum<__half> {
-  using RS = gmma::MMA_64x8x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>;
-};
-
 // Accumulator arrays are passed element by element (the instruction names every register).
 template <class Op, int N, size_t... I>
 __device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N],
@@ -114,16 +102,6 @@ __device__ __forceinline__ uint64_t sw128_descriptor(const void* p, uint32_t lea
   return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
          static_cast<uint64_t>(leading_bytes >> 4) << 16 |
          static_cast<uint64_t>(stride_bytes >> 4) << 32 | uint64_t{1} << 62;
-}
-
-// Descriptor of an operand without swizzle (core matrices of 8 rows x 16 bytes): used for the
-// matrix of ones, where every k-step reads the same 8 x 16 block.
-__device__ __forceinline__ uint64_t plain_descriptor(const void* p, uint32_t leading_bytes,
-                                                     uint32_t stride_bytes) {
-  const uint32_t address = smem_address(p);
-  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>(leading_bytes >> 4) << 16 |
-         static_cast<uint64_t>(stride_bytes >> 4) << 32;
 }
 
 // acc (64 x N) = rows [a_row0, a_row0 + 64) of tile A (kARows x kHeadDim) times the transpose of
@@ -317,8 +295,7 @@ struct ForwardSmem {
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
-  static constexpr size_t kBytesOnes = 512;                        // ones for the row sums
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + kBytesOnes + TileHandoff::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -341,7 +318,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
   using GmmaPV = typename Gmma<T, kHeadDim>::RS;
-  using GmmaSum = typename GmmaRowSum<T>::RS;
   using Mma = MmaTraits<T>;
   constexpr int kKeyChunks = kBlockN / 8;   // 8-column chunks of S
   constexpr int kDimChunks = kHeadDim / 8;  // 8-column chunks of O
@@ -350,16 +326,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   T* Qs = reinterpret_cast<T*>(base);
   T* KV = Qs + Smem::kQ;  // stage s: K at KV + 2s * tile, V at KV + (2s + 1) * tile
   float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);  // stage s: T of its keys
-  // Row sums: at head dim 64 (ALU-bound) the tensor cores add the rounded P with the P V product,
-  // a 64 x 8 accumulator whose element 2 * hi is row hi's sum; at 128 (tensor-bound) the ALU
-  // adds the float P, and the quad of threads sharing a row reduces them at the end.
-  constexpr bool kTensorRowSums = kHeadDim <= 64;
-  // Ones for the row sums (visible to wgmma after the fence and barrier below).
-  uint32_t* ones = reinterpret_cast<uint32_t*>(base + Smem::kBytesTiles + Smem::kBytesT);
-  if constexpr (kTensorRowSums)
-    for (int i = threadIdx.x; i < static_cast<int>(Smem::kBytesOnes / 4); i += kThreads)
-      ones[i] = Mma::pack(1.f, 1.f);
-  const uint64_t ones_desc = plain_descriptor(ones, 128, 256);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first query row in the block
@@ -387,10 +353,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // blocks per SM, ALU-bound) that measured +24%, and in decoding (one live warpgroup) +13-16%:
   // there, one barrier per tile, the request at its top.
   constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT + Smem::kBytesOnes,
-                            kDecoupled && nq > 64);
-  fence_async_proxy();  // the ones, for wgmma
-  __syncthreads();      // the ones and the initialized barriers, for every thread
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kDecoupled && nq > 64);
+  __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
   auto load_suffix = [&](float* dst, int64_t j0) {
     if (threadIdx.x < kBlockN) {
@@ -430,8 +394,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   float o[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum_acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
   for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
     const int64_t j0 = kt * kBlockN;
@@ -501,21 +464,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     for (int n = 0; n < kKeyChunks; ++n) {
       const float p0 = exp2f(sc[4 * n + 0] - tile_max[0]), p1 = exp2f(sc[4 * n + 1] - tile_max[0]);
       const float p2 = exp2f(sc[4 * n + 2] - tile_max[1]), p3 = exp2f(sc[4 * n + 3] - tile_max[1]);
-      if constexpr (!kTensorRowSums) {
-        tile_sum[0] += p0 + p1;
-        tile_sum[1] += p2 + p3;
-      }
+      tile_sum[0] += p0 + p1;
+      tile_sum[1] += p2 + p3;
       p_frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(p0, p1);
       p_frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(p2, p3);
     }
-    if constexpr (kTensorRowSums) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) row_sum_acc[e] *= correction[e >> 1];
-    } else {
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi)
-        row_sum_acc[2 * hi] = row_sum_acc[2 * hi] * correction[hi] + tile_sum[hi];
-    }
+    for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
 #pragma unroll
     for (int n = 0; n < kDimChunks; ++n) {
       o[4 * n + 0] *= correction[0];
@@ -524,40 +479,30 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       o[4 * n + 3] *= correction[1];
     }
 
-    // O += P V, row sums += P 1
+    // O += P V
     fence_registers(o);
-    fence_registers(row_sum_acc);
     cute::warpgroup_arrive();
     gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vs, o);
-    if constexpr (kTensorRowSums) {
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) gmma_rs<GmmaSum>(p_frag[ks], ones_desc, row_sum_acc);
-    }
     cute::warpgroup_commit_batch();
     carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
     cute::warpgroup_wait<0>();
     fence_registers(o);
-    fence_registers(row_sum_acc);
     handoff.release(it);
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
 
-  if constexpr (!kTensorRowSums) {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      float& sum = row_sum_acc[2 * hi];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    }
+  for (int hi = 0; hi < 2; ++hi) {
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
   }
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int r = row_of(hi);
     if (r >= nq) continue;
-    const float row_sum = row_sum_acc[2 * hi];
-    const bool empty = row_sum == 0.f;
-    const float inv = empty ? 0.f : 1.f / row_sum;
-    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum) + rq[hi];
+    const bool empty = row_sum[hi] == 0.f;
+    const float inv = empty ? 0.f : 1.f / row_sum[hi];
+    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]) + rq[hi];
     if constexpr (kSplit) {
       const int64_t row = s.batch_index * p.seqlen_q + s.row_q + i0 + r;
       const int64_t slot = ((b % num_tiles) * p.num_heads + h) * split.total_rows + row;
