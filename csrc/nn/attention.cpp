@@ -12,6 +12,9 @@ namespace fox::nn {
 
 namespace F = torch::nn::functional;
 
+// Rows of input up to which project_input, without autograd, runs the projections one by one.
+constexpr int64_t kFewRows = 16;
+
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double base) {
   TORCH_CHECK(x.dim() == 4, "apply_rotary: x must be (batch, seqlen, heads, head_dim), got ",
               x.sizes());
@@ -156,26 +159,34 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   // One GEMM for every projection of x: the weights are concatenated on the fly (the parameters
   // keep the authors' names) and the backward of split_with_sizes is one concatenation. The wide
   // outputs come first and the width is padded to a multiple of 64 (zero rows), so every wide
-  // slice starts 16-byte aligned and the GEMM runs its aligned kernels.
+  // slice starts 16-byte aligned and the GEMM runs its aligned kernels. For a few rows without
+  // autograd (decoding) the concatenation would move every weight twice more for one row of
+  // output: there each projection runs on its own.
   InputProjections out;
+  std::vector<std::pair<torch::nn::Linear, torch::Tensor*>> projections = {
+      {q_proj, &out.q},
+      {k_shift_proj ? k_shift_proj->linear : k_proj, &out.k},
+      {v_shift_proj ? v_shift_proj->linear : v_proj, &out.v}};
+  if (ogate_proj) projections.emplace_back(ogate_proj, &out.ogate_logits);
+  if (k_shift_proj) projections.emplace_back(k_shift_proj->shift_proj, &out.k_shift_logits);
+  if (v_shift_proj) projections.emplace_back(v_shift_proj->shift_proj, &out.v_shift_logits);
+  if (fgate_proj) projections.emplace_back(fgate_proj, &out.fgate_logits);
+  if (x.numel() / x.size(-1) <= kFewRows && !torch::GradMode::is_enabled()) {
+    for (auto& [linear, target] : projections) *target = linear(x);
+    return out;
+  }
+
   std::vector<torch::Tensor*> targets;
   std::vector<torch::Tensor> weights, biases;
   std::vector<int64_t> widths;
   bool any_bias = false;
-  auto add = [&](const torch::nn::Linear& l, torch::Tensor* target) {
+  for (auto& [linear, target] : projections) {
     targets.push_back(target);
-    weights.push_back(l->weight);
-    biases.push_back(l->bias);
-    widths.push_back(l->weight.size(0));
-    any_bias = any_bias || l->bias.defined();
-  };
-  add(q_proj, &out.q);
-  add(k_shift_proj ? k_shift_proj->linear : k_proj, &out.k);
-  add(v_shift_proj ? v_shift_proj->linear : v_proj, &out.v);
-  if (ogate_proj) add(ogate_proj, &out.ogate_logits);
-  if (k_shift_proj) add(k_shift_proj->shift_proj, &out.k_shift_logits);
-  if (v_shift_proj) add(v_shift_proj->shift_proj, &out.v_shift_logits);
-  if (fgate_proj) add(fgate_proj, &out.fgate_logits);
+    weights.push_back(linear->weight);
+    biases.push_back(linear->bias);
+    widths.push_back(linear->weight.size(0));
+    any_bias = any_bias || linear->bias.defined();
+  }
   int64_t width = 0;
   for (auto w : widths) width += w;
   const int64_t padding = (64 - width % 64) % 64;

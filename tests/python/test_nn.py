@@ -139,16 +139,20 @@ def test_training_step_reduces_loss():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("arch", ["fox_pro", "transformer_pro"])
-def test_cache_decoding_equals_full_forward(arch):
+def test_cache_decoding_equals_full_forward(arch, grad):
+    """Chunked prefill + one-token steps give the full forward's logits; without autograd the
+    one-token steps run each input projection on its own instead of the fused GEMM."""
     model = randomized(fnn.ForgettingTransformerForCausalLM(tiny(arch)).double(), 0.1)
     ids = torch.randint(1, 53, (2, 10))
     seq_start = torch.tensor([2, 0])
-    full = model(ids, seq_start=seq_start)
-    cache = model.new_cache()
-    parts = [model(ids[:, :4], cache=cache, seq_start=seq_start)]
-    for t in range(4, 10):
-        parts.append(model(ids[:, t:t + 1], cache=cache))
+    with torch.set_grad_enabled(grad):
+        full = model(ids, seq_start=seq_start)
+        cache = model.new_cache()
+        parts = [model(ids[:, :4], cache=cache, seq_start=seq_start)]
+        for t in range(4, 10):
+            parts.append(model(ids[:, t:t + 1], cache=cache))
     assert len(cache) == 10
     assert cache.layer(0).log_fgate.shape == (2, 10, 4)
     torch.testing.assert_close(torch.cat(parts, 1)[:, 2:], full[:, 2:], rtol=1e-9, atol=1e-9)
