@@ -12,6 +12,7 @@ import torch
 
 from forgetting_transformer import cli
 from forgetting_transformer.cli import config as cfgmod
+from torchrun import torchrun_train
 from forgetting_transformer.cli import data, plots
 from forgetting_transformer.cli.train import latest_checkpoint, load_checkpoint, lr_at, train
 
@@ -464,18 +465,7 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     """2 CPU processes (gloo) on the same global batch as 1 process: the same losses."""
     flags = [*MICRO, "--steps", "6", "--batch-size", "4", "--micro-batch-size", "1",
              "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "3"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(port),
-                        "-m", "forgetting_transformer", "train", *flags,
-                        "--out-dir", str(tmp_path / "ddp")],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun_train([*flags, "--out-dir", str(tmp_path / "ddp")], timeout=120)
     assert "data parallel over 2 processes" in r.stdout
     assert cli.main(["train", *flags, "--out-dir", str(tmp_path / "one")]) == 0
     ddp, one = _losses(tmp_path / "ddp"), _losses(tmp_path / "one")

@@ -2,11 +2,7 @@
 `fox train --fsdp` with 2 CPU processes (gloo) under torchrun against a single-process run on the
 same global batches, with checkpoints and resume."""
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +11,7 @@ import torch.distributed as dist
 from forgetting_transformer import cli
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.cli.train import load_checkpoint, models_from_checkpoint
+from torchrun import torchrun_train
 
 # CPU (gloo) even where GPUs exist: test_cli.py's two-GPU test covers nccl.
 FLAGS = ["--preset", "micro", "--device", "cpu", "--threads", "1", "--steps", "6", "--batch-size", "4",
@@ -82,20 +79,6 @@ def test_fully_shard_one_process(one_process_group, tmp_path):
     assert all(torch.equal(a.full_tensor(), fresh[k]) for k, a in model.state_dict().items())
 
 
-def _torchrun(args, timeout=180):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(port),
-                        "-m", "forgetting_transformer", "train", *args],
-                       capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 def _metrics(run):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     train = {r["step"]: r for r in rows if not r.get("eval")}
@@ -131,7 +114,7 @@ def _assert_close_checkpoints(a, b, atol):
 
 def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
     fsdp, one = tmp_path / "fsdp", tmp_path / "one"
-    r = _torchrun([*FLAGS, "--fsdp", "--out-dir", str(fsdp)])
+    r = torchrun_train([*FLAGS, "--fsdp", "--out-dir", str(fsdp)])
     assert "FSDP2 over 2 processes" in r.stdout
     assert json.load(open(fsdp / "run_info.json"))["fsdp"] is True
     assert cli.main(["train", *FLAGS, "--out-dir", str(one)]) == 0
@@ -159,7 +142,7 @@ def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
     shutil.copytree(fsdp, resumed)
     _rewind(resumed, 3)
     shutil.rmtree(resumed / "checkpoints" / "step_0000006")
-    _torchrun([*FLAGS, "--fsdp", "--resume", "--out-dir", str(resumed)])
+    torchrun_train([*FLAGS, "--fsdp", "--resume", "--out-dir", str(resumed)])
     a, b = _checkpoint(fsdp), _checkpoint(resumed)
     _assert_close_checkpoints(a, b, atol=0.0)
     assert sorted(_metrics(resumed)[0]) == list(range(1, 7))
