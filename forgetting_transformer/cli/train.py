@@ -53,7 +53,12 @@ def resolve_device(cfg) -> torch.device:
     else:
         dev = torch.device(cfg["device"])
     if dev.type == "cuda" and dev.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"device: local rank {local_rank} needs a GPU of its own, but "
+                             f"{torch.cuda.device_count()} are visible; start at most that many "
+                             "processes per node, or pass --device cpu")
+        dev = torch.device("cuda", local_rank)
     return dev
 
 

@@ -463,7 +463,7 @@ def _losses(run):
 
 def test_torchrun_ddp_matches_single_process(tmp_path):
     """2 CPU processes (gloo) on the same global batch as 1 process: the same losses."""
-    flags = [*MICRO, "--steps", "6", "--batch-size", "4", "--micro-batch-size", "1",
+    flags = [*MICRO, "--device", "cpu", "--steps", "6", "--batch-size", "4", "--micro-batch-size", "1",
              "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "3"]
     r = torchrun_train([*flags, "--out-dir", str(tmp_path / "ddp")], timeout=120)
     assert "data parallel over 2 processes" in r.stdout
