@@ -208,6 +208,41 @@ __device__ __forceinline__ Acc query_tile_R(const float* g, int64_t g_row, int64
   return out;
 }
 
+// ---- backward epilogues ------------------------------------------------------------------------
+// Key row j0 of kv head hk in dK and dV.
+template <typename T>
+struct KeyGradRows {
+  T* dk;
+  T* dv;
+};
+template <typename T>
+__device__ __forceinline__ KeyGradRows<T> key_grad_rows(const BackwardParams& p, const SequenceView& s,
+                                                        int64_t hk, int64_t j0) {
+  return {static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride + (s.row_k + j0) * p.dk_row_stride +
+              hk * p.dk_head_stride,
+          static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride + (s.row_k + j0) * p.dv_row_stride +
+              hk * p.dv_head_stride};
+}
+
+// Entry of key j0 of head h in the (batch, num_heads, seqlen_k) float32 buffer dc.
+__device__ __forceinline__ float* key_stat(float* buffer, const ForwardParams& p,
+                                           const SequenceView& s, int64_t h, int64_t j0) {
+  return buffer + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j0;
+}
+
+// Tensor-core layout (mma C fragments): the 4 threads of a quad hold parts of the column sums of
+// dS for key rows key0 and key0 + 8. Sums them in a fixed order; the quad's first thread writes
+// dc = -sum for the rows below nk.
+__device__ __forceinline__ void store_quad_colsums(float* dc, int key0, int nk, float (&colsum)[2]) {
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 1);
+    colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 2);
+    const int key = key0 + 8 * hi;
+    if ((threadIdx.x & 3) == 0 && key < nk) dc[key] = -colsum[hi];
+  }
+}
+
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace fox::cuda

@@ -243,24 +243,13 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
         mma_probs_by_tile<T, kHeadDim>(dk, dpt, Qs, lane);
       }
     }
-    // dc_j = -sum_i dS_ij: reduce the quad (the 4 threads holding one key row), fixed order.
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 1);
-      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 2);
-      const int key = hi ? key_hi : key_lo;
-      if (quad == 0 && key < nk)
-        ws.dc[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j0 + key] = -colsum[hi];
-    }
+    store_quad_colsums(key_stat(ws.dc, p, s, h, j0), key_lo, nk, colsum);  // dc = -colsum(dS)
   }
   cp_async_wait<0>();
 
-  T* dk_base = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
-               (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
-  T* dv_base = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
-               (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
-  store_rows<T, kHeadDim>(dk_base, p.dk_row_stride, warp * 16, nk, dk, static_cast<float>(p.scale), lane);
-  store_rows<T, kHeadDim>(dv_base, p.dv_row_stride, warp * 16, nk, dv, 1.f, lane);
+  const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
+  store_rows<T, kHeadDim>(out.dk, p.dk_row_stride, warp * 16, nk, dk, static_cast<float>(p.scale), lane);
+  store_rows<T, kHeadDim>(out.dv, p.dv_row_stride, warp * 16, nk, dv, 1.f, lane);
 }
 
 template <typename T, int kHeadDim>

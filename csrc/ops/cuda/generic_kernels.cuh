@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(kThreads)
     if (warp == 0 && lane < nk) {
       const float total = colsum[lane] + colsum[kTile + lane] + colsum[2 * kTile + lane] +
                           colsum[3 * kTile + lane];
-      ws.dc[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j0 + lane] = -total;
+      key_stat(ws.dc, p, s, h, j0)[lane] = -total;
     }
     __syncthreads();
   }
@@ -523,10 +523,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int c = warp + kWarps * k;
     if (c >= nk) continue;
-    T* dk_row = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
-                (s.row_k + j0 + c) * p.dk_row_stride + hk * p.dk_head_stride;
-    T* dv_row = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
-                (s.row_k + j0 + c) * p.dv_row_stride + hk * p.dv_head_stride;
+    const KeyGradRows<T> row = key_grad_rows<T>(p, s, hk, j0 + c);
+    T* dk_row = row.dk;
+    T* dv_row = row.dv;
 #pragma unroll
     for (int m = 0; m < kMaxDimChunks; ++m) {
       const int d = lane + 32 * m;
@@ -652,7 +651,7 @@ static __global__ void __launch_bounds__(256)
   __shared__ double segment_sum[kScanThreads];
   const int64_t h = blockIdx.x % p.num_heads, seq = blockIdx.x / p.num_heads;
   const SequenceView s = p.sequence(seq);
-  const float* dc_row = ws.dc + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+  const float* dc_row = key_stat(ws.dc, p, s, h, 0);
   // dc_t = rowsum_t(dS) - colsum_t(dS); key position t holds query t - offset.
   const float* rowsum = ws.dq_rowsum + row_stat_offset(p, s, h);
   const int64_t offset = s.len_k - s.len_q;

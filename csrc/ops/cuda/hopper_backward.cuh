@@ -270,24 +270,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_registers(dk);
     }
     cp_async_wait<0>();
-    // dc_j = -sum_i dS_ij: reduce the quad (the 4 threads holding one key row), fixed order.
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 1);
-      colsum[hi] += __shfl_xor_sync(0xffffffffu, colsum[hi], 2);
-      const int key = warp_row0 + group + 8 * hi;
-      if (quad == 0 && key < nk)
-        ws.dc[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j0 + key] = -colsum[hi];
-    }
+    store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
   }
   cp_async_wait<0>();
 
-  T* dk_base = static_cast<T*>(p.dk) + s.batch_index * p.dk_batch_stride +
-               (s.row_k + j0) * p.dk_row_stride + hk * p.dk_head_stride;
-  T* dv_base = static_cast<T*>(p.dv) + s.batch_index * p.dv_batch_stride +
-               (s.row_k + j0) * p.dv_row_stride + hk * p.dv_head_stride;
-  store_accumulator<T, kBlockN, kHeadDim>(dk_base, p.dk_row_stride, warp_row0, nk, dk, static_cast<float>(p.scale));
-  store_accumulator<T, kBlockN, kHeadDim>(dv_base, p.dv_row_stride, warp_row0, nk, dv, 1.f);
+  const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
+  store_accumulator<T, kBlockN, kHeadDim>(out.dk, p.dk_row_stride, warp_row0, nk, dk, static_cast<float>(p.scale));
+  store_accumulator<T, kBlockN, kHeadDim>(out.dv, p.dv_row_stride, warp_row0, nk, dv, 1.f);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
