@@ -6,7 +6,8 @@
 //   dkdv_kernel: one block (two warpgroups) per (sequence, kv head, 128-key tile); each warpgroup
 //     owns 64 keys: S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), then
 //     dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q read transposed), walking
-//     64-query tiles upwards from the diagonal for every head of the GQA group. dc = -colsum(dS).
+//     query tiles (kDkdvQueries) upwards from the diagonal for every head of the GQA group.
+//     dc = -colsum(dS).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
 //     S = Q K^T, dP = dO V^T, dQ += dS K, walking 64-key tiles downwards; row sums of dS.
 //
@@ -20,7 +21,13 @@
 
 namespace fox::cuda::hopper {
 
-constexpr int kBwdQueries = 64;  // query tile of the dkdv kernel
+// Query tile of the dkdv kernel: 128 at head dim 64, where the products of 64-query tiles are too
+// short to keep the tensor cores busy; 64 at head dim 128 (registers).
+#ifndef FOX_HOPPER_DKDV_QUERIES_64
+#define FOX_HOPPER_DKDV_QUERIES_64 128
+#endif
+template <int kHeadDim>
+constexpr int kDkdvQueries = kHeadDim <= 64 ? FOX_HOPPER_DKDV_QUERIES_64 : 64;
 constexpr int kBwdKeys = 64;     // key tile of the dq kernel
 
 // Blocks per SM of the dq kernel: at head dim 64 its tiles are small and a block waits on its own
@@ -35,11 +42,12 @@ constexpr int kDqMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_DQ_MIN_BLOCKS_64 : 1;
 
 template <int kHeadDim>
 struct DkdvSmem {
+  static constexpr int kQueries = kDkdvQueries<kHeadDim>;
   static constexpr int kKV = kBlockN * kHeadDim;      // K or V: 128 keys
-  static constexpr int kQ = kBwdQueries * kHeadDim;   // one Q or dO tile
+  static constexpr int kQ = kQueries * kHeadDim;   // one Q or dO tile
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
   // T of the keys; per stage T, lse and delta of the queries
-  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * (kBlockN + 2 * 3 * kBwdQueries);
+  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * (kBlockN + 2 * 3 * kQueries);
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -70,12 +78,12 @@ __device__ __forceinline__ void store_accumulator(T* base, int64_t row_stride, i
   }
 }
 
-// C fragments (rows x 64 columns) -> A fragments of the 4 k-steps of the next product.
-template <typename T>
-__device__ __forceinline__ void to_a_fragments(uint32_t (&frag)[4][4], const float (&c)[32]) {
+// C fragments (rows x kCols columns) -> A fragments of the kCols / 16 k-steps of the next product.
+template <typename T, int kCols>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&frag)[kCols / 16][4], const float (&c)[kCols / 2]) {
   using Mma = MmaTraits<T>;
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
+  for (int n = 0; n < kCols / 8; ++n) {
     frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(c[4 * n + 0], c[4 * n + 1]);
     frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(c[4 * n + 2], c[4 * n + 3]);
   }
@@ -87,7 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int64_t num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = DkdvSmem<kHeadDim>;
-  using GmmaS = typename Gmma<T, kBwdQueries>::SS;
+  constexpr int kQueries = Smem::kQueries;
+  using GmmaS = typename Gmma<T, kQueries>::SS;
   using GmmaD = typename Gmma<T, kHeadDim>::RS;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
@@ -122,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  const int64_t qt_begin = max64(0, j0 - offset) / kBwdQueries;
+  const int64_t qt_begin = max64(0, j0 - offset) / kQueries;
   const bool any_key = j0 + nk - 1 >= s.first_key;
   for (int64_t h = hk * heads_per_group; h < (hk + 1) * heads_per_group; ++h) {
     const HeadPointers<T> hp = head_pointers<T>(p, s, h);
@@ -136,19 +145,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Q, dO and the row statistics of query tile qt into stage st (zeros past the end).
     auto load_queries = [&](int64_t qt, int st) {
-      const int64_t i0 = qt * kBwdQueries;
-      const int nq = static_cast<int>(min64(kBwdQueries, s.len_q - i0));
+      const int64_t i0 = qt * kQueries;
+      const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
       T* Qn = QdO + 2 * st * Smem::kQ;
-      load_tile<T, kBwdQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
-      load_tile<T, kBwdQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
-      float* sn = stats + 3 * st * kBwdQueries;
-      if (threadIdx.x < kBwdQueries) {
+      load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
+      load_tile<T, kQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
+      float* sn = stats + 3 * st * kQueries;
+      if (threadIdx.x < kQueries) {
         const int c = threadIdx.x;
         const bool ok = c < nq;
         const int64_t i = ok ? i0 + c : 0;
         cp_async_4(sn + c, T_ + i + offset, ok);
-        cp_async_4(sn + kBwdQueries + c, lse_h + i, ok);
-        cp_async_4(sn + 2 * kBwdQueries + c, delta_h + i, ok);
+        cp_async_4(sn + kQueries + c, lse_h + i, ok);
+        cp_async_4(sn + 2 * kQueries + c, delta_h + i, ok);
       }
     };
 
@@ -157,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t j = j0 + threadIdx.x;
       cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
-    const bool any_query = any_key && qt_begin * kBwdQueries < s.len_q;
+    const bool any_query = any_key && qt_begin * kQueries < s.len_q;
     if (any_query) load_queries(qt_begin, 0);
     cp_async_commit();
     cp_async_wait<0>();
@@ -170,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float r_last = c_cur - Tk[nk - 1];  // R of the last key (c_cur moves on with the queries)
     // When the first query lies tiles above the keys (seqlen_q < seqlen_k), C of its 128-tile:
     // the T of the boundaries in between, summed by every warp alike (xor butterfly).
-    const int64_t first_tile = (qt_begin * kBwdQueries + offset) / kBlockN;
+    const int64_t first_tile = (qt_begin * kQueries + offset) / kBlockN;
     if (any_query && first_tile > tile) {
       float sum = 0.f;
       for (int64_t u = tile + 1 + lane; u <= first_tile; u += 32) sum += T_[u * kBlockN];
@@ -179,34 +188,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     // first position of the 128-tile after the one c_cur belongs to
     int64_t boundary = (max64(first_tile, tile) + 1) * kBlockN;
 
-    for (int64_t qt = qt_begin, it = 0; any_query && qt * kBwdQueries < s.len_q; ++qt, ++it) {
+    for (int64_t qt = qt_begin, it = 0; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
       const int st = static_cast<int>(it & 1);
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
-      const float* Tq = stats + 3 * st * kBwdQueries;
-      const float* lse_q = Tq + kBwdQueries;
-      const float* delta_q = lse_q + kBwdQueries;
-      const int64_t i0 = qt * kBwdQueries, p0 = i0 + offset;
-      const int nq = static_cast<int>(min64(kBwdQueries, s.len_q - i0));
+      const float* Tq = stats + 3 * st * kQueries;
+      const float* lse_q = Tq + kQueries;
+      const float* delta_q = lse_q + kQueries;
+      const int64_t i0 = qt * kQueries, p0 = i0 + offset;
+      const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
       cp_async_wait<0>();
       fence_async_proxy();
       __syncthreads();
       // C of the positions at and after the boundary, when it falls in this query tile.
       const int64_t kb = boundary - p0;
-      const float c_next = kb >= 0 && kb < kBwdQueries ? c_cur + Tq[kb] : c_cur;
+      const float c_next = kb >= 0 && kb < kQueries ? c_cur + Tq[kb] : c_cur;
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
       const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
       if (max_bias < p.prune_threshold) break;
-      if ((qt + 1) * kBwdQueries < s.len_q) {
+      if ((qt + 1) * kQueries < s.len_q) {
         load_queries(qt + 1, st ^ 1);
         cp_async_commit();
       }
 
-      float sT[32], dpT[32];  // S^T and dP^T: 64 keys of this warpgroup x 64 queries
+      float sT[kQueries / 2], dpT[kQueries / 2];  // S^T and dP^T: 64 keys of this warpgroup x the queries
       cute::warpgroup_arrive();
-      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kBwdQueries>(Ks, 64 * wg, Qs, sT);
-      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kBwdQueries>(Vs, 64 * wg, dOs, dpT);
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kQueries>(Ks, 64 * wg, Qs, sT);
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kQueries>(Vs, 64 * wg, dOs, dpT);
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
       fence_registers(sT);
@@ -220,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           key_lo = static_cast<int>(max64(0, min64(kBlockN, s.first_key - j0)));
         }
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < kQueries / 8; ++n) {
           const int c = n * 8 + quad * 2;
           const float2 t2 = *reinterpret_cast<const float2*>(Tq + c);
           const float2 l2 = *reinterpret_cast<const float2*>(lse_q + c);
@@ -246,22 +255,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kBwdQueries || nk < kBlockN)
+      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kQueries || nk < kBlockN)
         probabilities(std::true_type{});
       else
         probabilities(std::false_type{});
-      uint32_t pT[4][4], dsT[4][4];
-      to_a_fragments<T>(pT, sT);
-      to_a_fragments<T>(dsT, dpT);
+      uint32_t pT[kQueries / 16][4], dsT[kQueries / 16][4];
+      to_a_fragments<T, kQueries>(pT, sT);
+      to_a_fragments<T, kQueries>(dsT, dpT);
 
       // dV += P^T dO, dK += dS^T Q
       fence_registers(dv);
       fence_registers(dk);
       cute::warpgroup_arrive();
-      gemm_frags_by_tile<GmmaD, kBwdQueries>(pT, dOs, dv);
-      gemm_frags_by_tile<GmmaD, kBwdQueries>(dsT, Qs, dk);
+      gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
+      gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
-      if (p0 + kBwdQueries > boundary) {  // the next query tile starts past the boundary
+      if (p0 + kQueries > boundary) {  // the next query tile starts past the boundary
         c_cur = c_next;
         boundary += kBlockN;
       }
@@ -391,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     else
       for_each_score<false, kBwdKeys>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, scores_grad);
     uint32_t ds_frag[4][4];
-    to_a_fragments<T>(ds_frag, sc);
+    to_a_fragments<T, kBwdKeys>(ds_frag, sc);
 
     // dQ += dS K
     fence_registers(dq);
