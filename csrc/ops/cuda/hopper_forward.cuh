@@ -25,6 +25,7 @@
 #include "generic_kernels.cuh"
 #include "launch.h"
 #include "mma.cuh"
+#include "tma.h"
 
 namespace fox::cuda::hopper {
 
@@ -207,6 +208,25 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// One arrival on bar that also expects `bytes` more to land by bulk copies before the phase ends.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Bulk tensor copy of the box at (column, row, head, batch) of `map` into shared memory; its bytes
+// count towards the transaction of bar's current phase.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int column, int64_t row,
+                                         int64_t head, int64_t batch, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+      "%4, %5}], [%6];\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(static_cast<int>(row)),
+      "r"(static_cast<int>(head)), "r"(static_cast<int>(batch)), "r"(smem_address(bar))
+      : "memory");
+}
+
 // Writes by the threads (cp.async lands through the generic proxy) become visible to wgmma.
 __device__ __forceinline__ void fence_async_proxy() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -295,7 +315,8 @@ struct ForwardSmem {
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
+  static constexpr size_t kBytesTma = 2 * sizeof(uint64_t);  // a barrier per stage for TMA
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + kBytesTma;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -313,7 +334,8 @@ constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 template <typename T, int kHeadDim, bool kSplit>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     forward_kernel(const ForwardParams p, const SplitKVParams split,
-                   const float* __restrict__ suffix, int64_t num_tiles) {
+                   const float* __restrict__ suffix, int64_t num_tiles,
+                   const __grid_constant__ KeyValueMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
@@ -352,8 +374,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // next tile requested while this warpgroup's S is computed (-9% time). At head dim 64 (two
   // blocks per SM, ALU-bound) that measured +24%, and in decoding (one live warpgroup) +13-16%:
   // there, one barrier per tile, the request at its top.
-  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
+#ifndef FOX_HOPPER_FWD_DECOUPLED
+#define FOX_HOPPER_FWD_DECOUPLED 1
+#endif
+  constexpr bool kDecoupled = FOX_HOPPER_FWD_DECOUPLED && kHeadDim > 64 && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kDecoupled && nq > 64);
+  // With the one-barrier handoff, the tiles after the first come by TMA: thread 0 issues the
+  // copies of the next K and V tiles, which complete on tma_full[stage]; T stays on cp.async.
+  const bool use_tma = maps.enabled && !handoff.decoupled;
+  uint64_t* tma_full = reinterpret_cast<uint64_t*>(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes);
+  if (use_tma && threadIdx.x == 0) {
+    mbarrier_init(tma_full, 1);
+    mbarrier_init(tma_full + 1, 1);
+    fence_async_proxy();
+  }
+  const int64_t kv_head = h / p.heads_per_kv_head();
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
   auto load_suffix = [&](float* dst, int64_t j0) {
@@ -402,6 +437,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
+    // Tile it >= 1 is the ((it - 1) / 2)-th use of its stage's TMA barrier.
+    if (use_tma && it > 0) mbarrier_wait(tma_full + stage, static_cast<uint32_t>(((it - 1) >> 1) & 1));
     handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
     if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
@@ -410,8 +447,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       handoff.wait_free(it + 1);
       const int64_t jn = j0 - kBlockN;
       T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
-      load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
-      load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
+      if (use_tma) {  // full tiles inside the sequence: no bounds to mind
+        if (threadIdx.x == 0) {
+          uint64_t* bar = tma_full + (stage ^ 1);
+          mbarrier_arrive_expect_tx(bar, 2 * Smem::kTile * sizeof(T));
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load(Kn + cb * kBlockN * 64, &maps.k, 64 * cb, s.row_k + jn, kv_head, s.batch_index, bar);
+            tma_load(Kn + Smem::kTile + cb * kBlockN * 64, &maps.v, 64 * cb, s.row_k + jn, kv_head,
+                     s.batch_index, bar);
+          }
+        }
+      } else {
+        load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
+        load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
+      }
       load_suffix(Ts + (stage ^ 1) * kBlockN, jn);
       handoff.loaded(it + 1);
     };
@@ -543,7 +593,8 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
   auto kernel = forward_kernel<T, kHeadDim, false>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles);
+  const KeyValueMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles, maps);
 }
 
 template <typename T, int kHeadDim>
@@ -557,7 +608,8 @@ void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& sp
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   const int64_t blocks = split.num_splits * p.num_heads * p.batch;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, split, gate_suffix, split.num_splits);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, split, gate_suffix, split.num_splits,
+                                                                    KeyValueMaps{});
   generic::split_combine_kernel<T>
       <<<static_cast<unsigned>(split.total_rows * p.num_heads), 128, 0, stream>>>(p, split);
 }
