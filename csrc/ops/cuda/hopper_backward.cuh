@@ -47,7 +47,8 @@ struct DkdvSmem {
   static constexpr int kQ = kQueries * kHeadDim;   // one Q or dO tile
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
   // T of the keys; per stage T, lse and delta of the queries
-  static constexpr size_t kBytes = kBytesTiles + sizeof(float) * (kBlockN + 2 * 3 * kQueries);
+  static constexpr size_t kBytesStats = sizeof(float) * (kBlockN + 2 * 3 * kQueries);
+  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TmaStages::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -57,7 +58,7 @@ struct DqSmem {
   static constexpr int kKV = kBwdKeys * kHeadDim;   // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (2 * kQ + 2 * 2 * kKV);  // Q, dO, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBwdKeys;  // T per stage
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + TmaStages::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -92,7 +93,7 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&frag)[kCols / 16][4], 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
     dkdv_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
-                int64_t num_tiles) {
+                int64_t num_tiles, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = DkdvSmem<kHeadDim>;
   constexpr int kQueries = Smem::kQueries;
@@ -120,6 +121,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t offset = s.len_k - s.len_q;  // query i sits at position i + offset
   const int64_t heads_per_group = p.heads_per_kv_head();
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async.
+  const bool use_tma = maps.enabled != 0;
+  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesStats, use_tma);  // first used after a barrier
   {
     const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
     load_tile<T, kBlockN, kHeadDim>(Ks, hp.k + j0 * hp.k_row, hp.k_row, nk);
@@ -148,8 +152,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t i0 = qt * kQueries;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
       T* Qn = QdO + 2 * st * Smem::kQ;
-      load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
-      load_tile<T, kQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
+      if (use_tma && nq == kQueries) {
+        tma.load<kQueries, kHeadDim>(Qn, Qn + Smem::kQ, maps, st, s.row_q + i0, h, s.batch_index);
+      } else {
+        load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
+        load_tile<T, kQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
+      }
       float* sn = stats + 3 * st * kQueries;
       if (threadIdx.x < kQueries) {
         const int c = threadIdx.x;
@@ -197,6 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* delta_q = lse_q + kQueries;
       const int64_t i0 = qt * kQueries, p0 = i0 + offset;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
+      if (use_tma && nq == kQueries) tma.wait(st);
       cp_async_wait<0>();
       fence_async_proxy();
       __syncthreads();
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     dq_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
-              int64_t num_tiles) {
+              int64_t num_tiles, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = DqSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBwdKeys>::SS;
@@ -320,24 +329,33 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const int64_t kt_hi = L / kBwdKeys, kt_lo = s.first_key / kBwdKeys;
 
-  auto load_keys = [&](int64_t kt, int st) {
+  // The key tiles after the first (all full, inside the sequence) come by TMA where it is enabled;
+  // then one barrier per tile (as in the forward), else the handoff below.
+  const bool use_tma = maps.enabled != 0;
+  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes, use_tma);
+  const int64_t kv_head = h / p.heads_per_kv_head();
+  auto load_keys = [&](int64_t kt, int st, bool by_tma) {
     const int64_t j0 = kt * kBwdKeys;
     const int nk = static_cast<int>(min64(kBwdKeys, s.len_k - j0));
     T* Kn = KV + 2 * st * Smem::kKV;
-    load_tile<T, kBwdKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
-    load_tile<T, kBwdKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    if (by_tma) {
+      tma.load<kBwdKeys, kHeadDim>(Kn, Kn + Smem::kKV, maps, st, s.row_k + j0, kv_head, s.batch_index);
+    } else {
+      load_tile<T, kBwdKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
+      load_tile<T, kBwdKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    }
     if (threadIdx.x < kBwdKeys) {
       const int64_t j = j0 + threadIdx.x;
       cp_async_4(Ts + st * kBwdKeys + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
   };
-  // Stage handoff as in the forward: decoupled at head dim 128 when both warpgroups hold queries
-  // (dQ -11%; the dkdv kernel measured +20% with it and keeps its barrier).
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kHeadDim > 64 && nq > 64);
+  // Without TMA, the stage handoff as in the forward: decoupled at head dim 128 when both
+  // warpgroups hold queries (dQ -11%; the dkdv kernel measured +20% with it and keeps its barrier).
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kHeadDim > 64 && nq > 64 && !use_tma);
   __syncthreads();  // the initialized barriers, for every thread
   load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
   load_tile<T, kBlockM, kHeadDim>(dOs, dout, p.do_row_stride, nq);
-  if (kt_hi >= kt_lo) load_keys(kt_hi, 0);
+  if (kt_hi >= kt_lo) load_keys(kt_hi, 0, false);
   handoff.loaded(0);
 
   const int64_t ta = a / kBlockN;
@@ -368,12 +386,13 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const T* Ks = KV + 2 * st * Smem::kKV;
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kBwdKeys;
+    if (use_tma && it > 0) tma.wait(st);
     handoff.wait_loaded(it);
     if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < p.prune_threshold) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
-      load_keys(kt - 1, st ^ 1);
+      load_keys(kt - 1, st ^ 1, use_tma);
       handoff.loaded(it + 1);
     };
     if (!handoff.decoupled) prefetch_next();
@@ -449,14 +468,16 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   if (kv_blocks > 0) {
     constexpr size_t smem = DkdvSmem<kHeadDim>::kAllocBytes;
     cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    dkdv<<<static_cast<unsigned>(kv_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, key_tiles);
+    const TileMaps maps = make_query_grad_maps(p, std::is_same_v<T, __nv_bfloat16>, kDkdvQueries<kHeadDim>);
+    dkdv<<<static_cast<unsigned>(kv_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps);
   }
   const int64_t q_tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t q_blocks = q_tiles * p.num_heads * p.batch;
   if (q_blocks > 0) {
     constexpr size_t smem = DqSmem<kHeadDim>::kAllocBytes;
     cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles);
+    const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBwdKeys);
+    dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles, maps);
   }
   if (p.batch * p.num_heads > 0)
     generic::gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);

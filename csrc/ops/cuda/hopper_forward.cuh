@@ -282,6 +282,42 @@ struct TileHandoff {
   }
 };
 
+// Tile pairs (K and V, or Q and dO) by bulk tensor copies into a double buffer: thread 0 issues
+// both tiles of a stage, which complete on full[stage]; every thread that reads them waits there.
+// The caller's barrier tells thread 0 that a stage is free again (its previous tiles read).
+struct TmaStages {
+  static constexpr size_t kBytes = 2 * sizeof(uint64_t);
+  uint64_t* full;
+  uint32_t phases = 0;  // bit st: the parity of stage st's next completion
+
+  // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
+  __device__ __forceinline__ TmaStages(void* storage, bool active) : full(static_cast<uint64_t*>(storage)) {
+    if (active && threadIdx.x == 0) {
+      mbarrier_init(full, 1);
+      mbarrier_init(full + 1, 1);
+      fence_async_proxy();
+    }
+  }
+  // Rows [row, row + kRows) of (head, batch) of both maps into a and b (tiles of kRows x kHeadDim
+  // in the layout of load_tile), stage st. Called by every thread; thread 0 issues.
+  template <int kRows, int kHeadDim, typename T>
+  __device__ __forceinline__ void load(T* a, T* b, const TileMaps& maps, int st, int64_t row, int64_t head,
+                                       int64_t batch) const {
+    if (threadIdx.x != 0) return;
+    mbarrier_arrive_expect_tx(full + st, 2 * kRows * kHeadDim * sizeof(T));
+#pragma unroll
+    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+      tma_load(a + cb * kRows * 64, &maps.first, 64 * cb, row, head, batch, full + st);
+      tma_load(b + cb * kRows * 64, &maps.second, 64 * cb, row, head, batch, full + st);
+    }
+  }
+  // Waits until the tiles of stage st have landed (each load of a stage waited on exactly once).
+  __device__ __forceinline__ void wait(int st) {
+    mbarrier_wait(full + st, (phases >> st) & 1u);
+    phases ^= 1u << st;
+  }
+};
+
 // T_t[j] for every key j of every (sequence, head): one block of kBlockN threads per key tile.
 // `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. (A template: one copy per
 // instantiation file is fine.)
@@ -315,8 +351,7 @@ struct ForwardSmem {
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
-  static constexpr size_t kBytesTma = 2 * sizeof(uint64_t);  // a barrier per stage for TMA
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + kBytesTma;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + TmaStages::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -335,7 +370,7 @@ template <typename T, int kHeadDim, bool kSplit>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     forward_kernel(const ForwardParams p, const SplitKVParams split,
                    const float* __restrict__ suffix, int64_t num_tiles,
-                   const __grid_constant__ KeyValueMaps maps) {
+                   const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
@@ -370,24 +405,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
   const bool wg_live = 64 * wg < nq;
-  // Stage handoff (TileHandoff): decoupled at head dim 128 when both warpgroups hold queries, the
-  // next tile requested while this warpgroup's S is computed (-9% time). At head dim 64 (two
-  // blocks per SM, ALU-bound) that measured +24%, and in decoding (one live warpgroup) +13-16%:
-  // there, one barrier per tile, the request at its top.
-#ifndef FOX_HOPPER_FWD_DECOUPLED
-#define FOX_HOPPER_FWD_DECOUPLED 1
-#endif
-  constexpr bool kDecoupled = FOX_HOPPER_FWD_DECOUPLED && kHeadDim > 64 && !kSplit;
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kDecoupled && nq > 64);
-  // With the one-barrier handoff, the tiles after the first come by TMA: thread 0 issues the
-  // copies of the next K and V tiles, which complete on tma_full[stage]; T stays on cp.async.
-  const bool use_tma = maps.enabled && !handoff.decoupled;
-  uint64_t* tma_full = reinterpret_cast<uint64_t*>(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes);
-  if (use_tma && threadIdx.x == 0) {
-    mbarrier_init(tma_full, 1);
-    mbarrier_init(tma_full + 1, 1);
-    fence_async_proxy();
-  }
+  // Stage handoff. With TMA (the usual case): one barrier per tile, and the tiles after the first
+  // come by bulk tensor copies that thread 0 issues right after it (TmaStages)
+  // (T stays on cp.async). Against cp.async by every thread that took the forward from 301 to
+  // 354 TFLOP/s at D=64 and from 416 (decoupled, below) to 444 at D=128 (N=16k). Without TMA:
+  // decoupled (TileHandoff) at head dim 128 when both warpgroups hold queries, the next tile
+  // requested while this warpgroup's S is computed (-9% time against the barrier); at head dim
+  // 64 (two blocks per SM) that measured +24%, and in decoding (one live warpgroup) +13-16%.
+  const bool use_tma = maps.enabled != 0;
+  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kDecoupled && nq > 64 && !use_tma);
+  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes, use_tma);
   const int64_t kv_head = h / p.heads_per_kv_head();
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
@@ -437,8 +465,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
-    // Tile it >= 1 is the ((it - 1) / 2)-th use of its stage's TMA barrier.
-    if (use_tma && it > 0) mbarrier_wait(tma_full + stage, static_cast<uint32_t>(((it - 1) >> 1) & 1));
+    if (use_tma && it > 0) tma.wait(stage);  // the first tile came by cp.async
     handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
     if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
@@ -447,17 +474,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       handoff.wait_free(it + 1);
       const int64_t jn = j0 - kBlockN;
       T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
-      if (use_tma) {  // full tiles inside the sequence: no bounds to mind
-        if (threadIdx.x == 0) {
-          uint64_t* bar = tma_full + (stage ^ 1);
-          mbarrier_arrive_expect_tx(bar, 2 * Smem::kTile * sizeof(T));
-#pragma unroll
-          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-            tma_load(Kn + cb * kBlockN * 64, &maps.k, 64 * cb, s.row_k + jn, kv_head, s.batch_index, bar);
-            tma_load(Kn + Smem::kTile + cb * kBlockN * 64, &maps.v, 64 * cb, s.row_k + jn, kv_head,
-                     s.batch_index, bar);
-          }
-        }
+      if (use_tma) {  // a full tile inside the sequence
+        tma.load<kBlockN, kHeadDim>(Kn, Kn + Smem::kTile, maps, stage ^ 1, s.row_k + jn, kv_head, s.batch_index);
       } else {
         load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
         load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
@@ -593,7 +611,7 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
   auto kernel = forward_kernel<T, kHeadDim, false>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  const KeyValueMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
+  const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles, maps);
 }
 
@@ -609,7 +627,7 @@ void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& sp
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   const int64_t blocks = split.num_splits * p.num_heads * p.batch;
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, split, gate_suffix, split.num_splits,
-                                                                    KeyValueMaps{});
+                                                                    TileMaps{});
   generic::split_combine_kernel<T>
       <<<static_cast<unsigned>(split.total_rows * p.num_heads), 128, 0, stream>>>(p, split);
 }
