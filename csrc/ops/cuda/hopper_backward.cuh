@@ -332,7 +332,13 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   // The key tiles after the first (all full, inside the sequence) come by TMA where it is enabled;
   // then one barrier per tile (as in the forward), else the handoff below.
   const bool use_tma = maps.enabled != 0;
-  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes, use_tma);
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
+                            (kHeadDim > 64 || FOX_HOPPER_DECOUPLED_64) && nq > 64 &&
+                                (!use_tma || FOX_HOPPER_TMA_DECOUPLED),
+                            use_tma);
+  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
+                                  : base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes,
+                use_tma && !handoff.decoupled);
   const int64_t kv_head = h / p.heads_per_kv_head();
   auto load_keys = [&](int64_t kt, int st, bool by_tma) {
     const int64_t j0 = kt * kBwdKeys;
@@ -351,7 +357,6 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   };
   // Without TMA, the stage handoff as in the forward: decoupled at head dim 128 when both
   // warpgroups hold queries (dQ -11%; the dkdv kernel measured +20% with it and keeps its barrier).
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kHeadDim > 64 && nq > 64 && !use_tma);
   __syncthreads();  // the initialized barriers, for every thread
   load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
   load_tile<T, kBlockM, kHeadDim>(dOs, dout, p.do_row_stride, nq);
@@ -386,14 +391,14 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const T* Ks = KV + 2 * st * Smem::kKV;
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kBwdKeys;
-    if (use_tma && it > 0) tma.wait(st);
+    if (use_tma && it > 0 && !handoff.decoupled) tma.wait(st);
     handoff.wait_loaded(it);
     if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < p.prune_threshold) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
       load_keys(kt - 1, st ^ 1, use_tma);
-      handoff.loaded(it + 1);
+      handoff.loaded(it + 1, use_tma);
     };
     if (!handoff.decoupled) prefetch_next();
 

@@ -238,28 +238,33 @@ __device__ __forceinline__ void fence_async_proxy() {
 // other stage is free. Decoupled: full[st] completes when the copies of every thread into stage
 // st have landed, empty[st] when every thread is done reading it; no thread waits for the others
 // except on a stage it is about to read or overwrite, so the warpgroups can drift apart and one
-// warpgroup's softmax runs under the other's wgmma.
+// warpgroup's softmax runs under the other's wgmma. With `tma`, thread 0 may also copy a tile by
+// TMA (TmaStages::load on full), which adds one arrival to the phase: tiles loaded without it get
+// a plain one instead.
 struct TileHandoff {
   static constexpr size_t kBytes = 4 * sizeof(uint64_t);
   uint64_t* full;
   uint64_t* empty;
   bool decoupled;
+  bool tma;
 
   // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
-  __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_)
-      : full(static_cast<uint64_t*>(storage)), empty(full + 2), decoupled(decoupled_) {
+  __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_, bool tma_ = false)
+      : full(static_cast<uint64_t*>(storage)), empty(full + 2), decoupled(decoupled_), tma(tma_) {
     if (decoupled && threadIdx.x == 0)
       for (int st = 0; st < 2; ++st) {
-        mbarrier_init(full + st, kThreads);
+        mbarrier_init(full + st, kThreads + (tma_ ? 1 : 0));
         mbarrier_init(empty + st, kThreads);
       }
   }
-  // This thread has issued its copies of tile `it`.
-  __device__ __forceinline__ void loaded(int64_t it) const {
-    if (decoupled)
+  // This thread has issued its copies of tile `it` (`by_tma`: thread 0 has issued a TMA copy).
+  __device__ __forceinline__ void loaded(int64_t it, bool by_tma = false) const {
+    if (decoupled) {
+      if (tma && !by_tma && threadIdx.x == 0) mbarrier_arrive(full + (it & 1));
       cp_async_arrive(full + (it & 1));
-    else
+    } else {
       cp_async_commit();
+    }
   }
   // Waits until tile `it` is readable (with a barrier: and every thread is done with tile it - 1).
   __device__ __forceinline__ void wait_loaded(int64_t it) const {
@@ -363,6 +368,14 @@ struct ForwardSmem {
 template <int kHeadDim>
 constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 
+// Experiment switches of the stage handoff (forward and dQ kernels).
+#ifndef FOX_HOPPER_TMA_DECOUPLED
+#define FOX_HOPPER_TMA_DECOUPLED 1
+#endif
+#ifndef FOX_HOPPER_DECOUPLED_64
+#define FOX_HOPPER_DECOUPLED_64 0
+#endif
+
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
 // writes a partial result in fp32 with its log2-domain lse, merged by
 // generic::split_combine_kernel); num_tiles is then the number of chunks.
@@ -413,9 +426,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // requested while this warpgroup's S is computed (-9% time against the barrier); at head dim
   // 64 (two blocks per SM) that measured +24%, and in decoding (one live warpgroup) +13-16%.
   const bool use_tma = maps.enabled != 0;
-  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT, kDecoupled && nq > 64 && !use_tma);
-  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes, use_tma);
+  constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_DECOUPLED_64) && !kSplit;
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
+                            kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
+  // Decoupled, the copies complete on the handoff's full barriers instead of TmaStages' own.
+  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
+                                  : base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes,
+                use_tma && !handoff.decoupled);
   const int64_t kv_head = h / p.heads_per_kv_head();
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
@@ -465,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
-    if (use_tma && it > 0) tma.wait(stage);  // the first tile came by cp.async
+    if (use_tma && it > 0 && !handoff.decoupled) tma.wait(stage);  // the first tile came by cp.async
     handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
     if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
@@ -481,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
         load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
       }
       load_suffix(Ts + (stage ^ 1) * kBlockN, jn);
-      handoff.loaded(it + 1);
+      handoff.loaded(it + 1, use_tma);
     };
     if (!handoff.decoupled) prefetch_next();
 
