@@ -48,7 +48,7 @@ struct DkdvSmem {
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
   // T of the keys; per stage T, lse and delta of the queries
   static constexpr size_t kBytesStats = sizeof(float) * (kBlockN + 2 * 3 * kQueries);
-  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TmaStages::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TileHandoff::kBytes + TmaStages::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -121,9 +121,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t offset = s.len_k - s.len_q;  // query i sits at position i + offset
   const int64_t heads_per_group = p.heads_per_kv_head();
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async.
+  // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async. With TMA the
+  // stage handoff is decoupled (the tiles are counted across the heads: `it`).
+#ifndef FOX_HOPPER_DKDV_DECOUPLED
+#define FOX_HOPPER_DKDV_DECOUPLED 1
+#endif
   const bool use_tma = maps.enabled != 0;
-  TmaStages tma(base + Smem::kBytesTiles + Smem::kBytesStats, use_tma);  // first used after a barrier
+  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesStats, use_tma && FOX_HOPPER_DKDV_DECOUPLED,
+                            use_tma);
+  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
+                                  : base + Smem::kBytesTiles + Smem::kBytesStats + TileHandoff::kBytes,
+                use_tma && !handoff.decoupled);  // first used after a barrier
+  int64_t it = 0;
   {
     const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
     load_tile<T, kBlockN, kHeadDim>(Ks, hp.k + j0 * hp.k_row, hp.k_row, nk);
@@ -147,12 +156,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
     float colsum[2] = {0.f, 0.f};
 
-    // Q, dO and the row statistics of query tile qt into stage st (zeros past the end).
-    auto load_queries = [&](int64_t qt, int st) {
+    // Q, dO and the row statistics of query tile qt into the stage of tile `tile_it` (zeros past
+    // the end).
+    auto load_queries = [&](int64_t qt, int64_t tile_it) {
       const int64_t i0 = qt * kQueries;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
+      const int st = static_cast<int>(tile_it & 1);
       T* Qn = QdO + 2 * st * Smem::kQ;
-      if (use_tma && nq == kQueries) {
+      const bool by_tma = use_tma && nq == kQueries;
+      if (by_tma) {
         tma.load<kQueries, kHeadDim>(Qn, Qn + Smem::kQ, maps, st, s.row_q + i0, h, s.batch_index);
       } else {
         load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
@@ -167,6 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async_4(sn + kQueries + c, lse_h + i, ok);
         cp_async_4(sn + 2 * kQueries + c, delta_h + i, ok);
       }
+      handoff.loaded(tile_it, by_tma);
     };
 
     __syncthreads();  // every warp is done with the previous head's tiles and Tk
@@ -175,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
     const bool any_query = any_key && qt_begin * kQueries < s.len_q;
-    if (any_query) load_queries(qt_begin, 0);
+    if (any_query) load_queries(qt_begin, it);  // no wait_free: the barrier above
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -196,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // first position of the 128-tile after the one c_cur belongs to
     int64_t boundary = (max64(first_tile, tile) + 1) * kBlockN;
 
-    for (int64_t qt = qt_begin, it = 0; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
+    for (int64_t qt = qt_begin; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
       const int st = static_cast<int>(it & 1);
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
@@ -205,20 +218,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* delta_q = lse_q + kQueries;
       const int64_t i0 = qt * kQueries, p0 = i0 + offset;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
-      if (use_tma && nq == kQueries) tma.wait(st);
-      cp_async_wait<0>();
-      fence_async_proxy();
-      __syncthreads();
+      if (use_tma && nq == kQueries && !handoff.decoupled) tma.wait(st);
+      handoff.wait_loaded(it);
       // C of the positions at and after the boundary, when it falls in this query tile.
       const int64_t kb = boundary - p0;
       const float c_next = kb >= 0 && kb < kQueries ? c_cur + Tq[kb] : c_cur;
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
       const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
-      if (max_bias < p.prune_threshold) break;
+      if (max_bias < p.prune_threshold) {
+        handoff.release(it++);
+        break;
+      }
       if ((qt + 1) * kQueries < s.len_q) {
-        load_queries(qt + 1, st ^ 1);
-        cp_async_commit();
+        handoff.wait_free(it + 1);
+        load_queries(qt + 1, it + 1);
       }
 
       float sT[kQueries / 2], dpT[kQueries / 2];  // S^T and dP^T: 64 keys of this warpgroup x the queries
@@ -286,6 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cute::warpgroup_wait<0>();
       fence_registers(dv);
       fence_registers(dk);
+      handoff.release(it);
     }
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
@@ -333,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   // then one barrier per tile (as in the forward), else the handoff below.
   const bool use_tma = maps.enabled != 0;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
-                            (kHeadDim > 64 || FOX_HOPPER_DECOUPLED_64) && nq > 64 &&
+                            kHeadDim > 64 && nq > 64 &&
                                 (!use_tma || FOX_HOPPER_TMA_DECOUPLED),
                             use_tma);
   TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)

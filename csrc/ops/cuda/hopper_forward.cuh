@@ -368,12 +368,9 @@ struct ForwardSmem {
 template <int kHeadDim>
 constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 
-// Experiment switches of the stage handoff (forward and dQ kernels).
+// Experiment switch: the decoupled stage handoff also where the tiles come by TMA (forward, dQ).
 #ifndef FOX_HOPPER_TMA_DECOUPLED
 #define FOX_HOPPER_TMA_DECOUPLED 1
-#endif
-#ifndef FOX_HOPPER_DECOUPLED_64
-#define FOX_HOPPER_DECOUPLED_64 0
 #endif
 
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
@@ -426,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // requested while this warpgroup's S is computed (-9% time against the barrier); at head dim
   // 64 (two blocks per SM) that measured +24%, and in decoding (one live warpgroup) +13-16%.
   const bool use_tma = maps.enabled != 0;
-  constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_DECOUPLED_64) && !kSplit;
+  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
                             kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
   // Decoupled, the copies complete on the handoff's full barriers instead of TmaStages' own.
