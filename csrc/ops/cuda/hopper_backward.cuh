@@ -188,7 +188,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
     const bool any_query = any_key && qt_begin * kQueries < s.len_q;
-    if (any_query) load_queries(qt_begin, it);  // no wait_free: the barrier above
+    if (any_query) {
+      handoff.wait_free(it);  // (free since the barrier above; the wait keeps the phases in step)
+      load_queries(qt_begin, it);
+    }
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
