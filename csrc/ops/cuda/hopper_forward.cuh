@@ -3,8 +3,8 @@
 //
 // A block of two warpgroups owns 128 queries of one (sequence, head); each warpgroup owns 64 rows
 // and keeps S and O in registers (wgmma accumulators). Key tiles of 128 keys are walked from the
-// diagonal downwards, double-buffered in shared memory by cp.async in the 128-byte-swizzled layout
-// that wgmma reads directly: S = Q K^T with both operands in shared memory (K-major), O += P V with
+// diagonal downwards, double-buffered in shared memory in the 128-byte-swizzled layout that wgmma
+// reads directly (the first tile by cp.async, the others by TMA where the layout allows it): S = Q K^T with both operands in shared memory (K-major), O += P V with
 // P from registers and V read transposed (MN-major). The stages pass between the threads through
 // TileHandoff: a block barrier per tile, or mbarriers that let the two warpgroups drift apart.
 //
@@ -289,7 +289,9 @@ struct TileHandoff {
 
 // Tile pairs (K and V, or Q and dO) by bulk tensor copies into a double buffer: thread 0 issues
 // both tiles of a stage, which complete on full[stage]; every thread that reads them waits there.
-// The caller's barrier tells thread 0 that a stage is free again (its previous tiles read).
+// The caller tells thread 0 that a stage is free again (its previous tiles read): a block barrier,
+// or the empty barriers of a decoupled TileHandoff, whose full barriers the copies then complete
+// on (TmaStages built on them, not initialised, not waited on).
 struct TmaStages {
   static constexpr size_t kBytes = 2 * sizeof(uint64_t);
   uint64_t* full;
@@ -368,7 +370,8 @@ struct ForwardSmem {
 template <int kHeadDim>
 constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 
-// Experiment switch: the decoupled stage handoff also where the tiles come by TMA (forward, dQ).
+// The decoupled stage handoff also where the tiles come by TMA (forward and dQ kernels at head
+// dim 128; 0 for one barrier per tile there, to compare).
 #ifndef FOX_HOPPER_TMA_DECOUPLED
 #define FOX_HOPPER_TMA_DECOUPLED 1
 #endif
@@ -415,13 +418,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
   const bool wg_live = 64 * wg < nq;
-  // Stage handoff. With TMA (the usual case): one barrier per tile, and the tiles after the first
-  // come by bulk tensor copies that thread 0 issues right after it (TmaStages)
-  // (T stays on cp.async). Against cp.async by every thread that took the forward from 301 to
-  // 354 TFLOP/s at D=64 and from 416 (decoupled, below) to 444 at D=128 (N=16k). Without TMA:
-  // decoupled (TileHandoff) at head dim 128 when both warpgroups hold queries, the next tile
-  // requested while this warpgroup's S is computed (-9% time against the barrier); at head dim
-  // 64 (two blocks per SM) that measured +24%, and in decoding (one live warpgroup) +13-16%.
+  // Stage handoff. The tiles after the first come by bulk tensor copies that thread 0 issues
+  // (TmaStages; T stays on cp.async) where the layout allows it: -17% forward time at D=64 against
+  // cp.async by every thread. Decoupled (TileHandoff) at head dim 128 when both warpgroups hold
+  // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA); at
+  // head dim 64 (two blocks per SM) and in decoding (one live warpgroup) one barrier per tile:
+  // decoupling measured +4% there with TMA, +24% and +13-16% without.
   const bool use_tma = maps.enabled != 0;
   constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
