@@ -55,7 +55,7 @@ struct DkdvSmem {
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
   // T of the keys; per stage T, lse and delta of the queries
   static constexpr size_t kBytesStats = sizeof(float) * (kBlockN + 2 * 3 * kQueries);
-  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TileHandoff::kBytes + TmaStages::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -65,7 +65,7 @@ struct DqSmem {
   static constexpr int kKV = kBwdKeys * kHeadDim;   // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (2 * kQ + 2 * 2 * kKV);  // Q, dO, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBwdKeys;  // T per stage
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + TmaStages::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
@@ -133,9 +133,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool use_tma = maps.enabled != 0;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesStats, use_tma && FOX_HOPPER_DKDV_DECOUPLED,
                             use_tma);
-  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
-                                  : base + Smem::kBytesTiles + Smem::kBytesStats + TileHandoff::kBytes,
-                use_tma && !handoff.decoupled);  // first used after a barrier
   int64_t it = 0;
   {
     const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
@@ -169,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       T* Qn = QdO + 2 * st * Smem::kQ;
       const bool by_tma = use_tma && nq == kQueries;
       if (by_tma) {
-        tma.load<kQueries, kHeadDim>(Qn, Qn + Smem::kQ, maps, st, s.row_q + i0, h, s.batch_index);
+        handoff.copy<kQueries, kHeadDim>(Qn, Qn + Smem::kQ, maps, tile_it, s.row_q + i0, h, s.batch_index);
       } else {
         load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
         load_tile<T, kQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
@@ -225,7 +222,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* delta_q = lse_q + kQueries;
       const int64_t i0 = qt * kQueries, p0 = i0 + offset;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
-      if (use_tma && nq == kQueries && !handoff.decoupled) tma.wait(st);
       handoff.wait_loaded(it);
       // C of the positions at and after the boundary, when it falls in this query tile.
       const int64_t kb = boundary - p0;
@@ -351,23 +347,22 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const int64_t kt_hi = L / kBwdKeys, kt_lo = s.first_key / kBwdKeys;
 
-  // The key tiles after the first (all full, inside the sequence) come by TMA where it is enabled;
-  // then one barrier per tile (as in the forward), else the handoff below.
+  // Stage handoff as in the forward: the key tiles after the first (all full, inside the sequence)
+  // by TMA where the layout allows it; decoupled at head dim 128 when both warpgroups hold queries
+  // (dQ -11% against one barrier per tile with cp.async, and -8% more with TMA).
   const bool use_tma = maps.enabled != 0;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
                             kHeadDim > 64 && nq > 64 &&
                                 (!use_tma || FOX_HOPPER_TMA_DECOUPLED),
                             use_tma);
-  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
-                                  : base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes,
-                use_tma && !handoff.decoupled);
   const int64_t kv_head = h / p.heads_per_kv_head();
-  auto load_keys = [&](int64_t kt, int st, bool by_tma) {
+  auto load_keys = [&](int64_t kt, int64_t tile_it, bool by_tma) {  // into the stage of tile_it
     const int64_t j0 = kt * kBwdKeys;
+    const int st = static_cast<int>(tile_it & 1);
     const int nk = static_cast<int>(min64(kBwdKeys, s.len_k - j0));
     T* Kn = KV + 2 * st * Smem::kKV;
     if (by_tma) {
-      tma.load<kBwdKeys, kHeadDim>(Kn, Kn + Smem::kKV, maps, st, s.row_k + j0, kv_head, s.batch_index);
+      handoff.copy<kBwdKeys, kHeadDim>(Kn, Kn + Smem::kKV, maps, tile_it, s.row_k + j0, kv_head, s.batch_index);
     } else {
       load_tile<T, kBwdKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
       load_tile<T, kBwdKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
@@ -377,8 +372,6 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
       cp_async_4(Ts + st * kBwdKeys + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
   };
-  // Without TMA, the stage handoff as in the forward: decoupled at head dim 128 when both
-  // warpgroups hold queries (dQ -11%; the dkdv kernel measured +20% with it and keeps its barrier).
   __syncthreads();  // the initialized barriers, for every thread
   load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
   load_tile<T, kBlockM, kHeadDim>(dOs, dout, p.do_row_stride, nq);
@@ -413,13 +406,12 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const T* Ks = KV + 2 * st * Smem::kKV;
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kBwdKeys;
-    if (use_tma && it > 0 && !handoff.decoupled) tma.wait(st);
     handoff.wait_loaded(it);
     if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < p.prune_threshold) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
-      load_keys(kt - 1, st ^ 1, use_tma);
+      load_keys(kt - 1, it + 1, use_tma);
       handoff.loaded(it + 1, use_tma);
     };
     if (!handoff.decoupled) prefetch_next();

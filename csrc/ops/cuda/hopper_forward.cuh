@@ -233,14 +233,15 @@ __device__ __forceinline__ void fence_async_proxy() {
 }
 
 // Handoff of the two stages of a walked tile sequence (tile `it` in stage it % 2) between the
-// threads of a block, which all load a part of every tile. With a barrier: a tile is readable
-// once every thread has waited for its copies and passed __syncthreads, which also tells that the
-// other stage is free. Decoupled: full[st] completes when the copies of every thread into stage
-// st have landed, empty[st] when every thread is done reading it; no thread waits for the others
-// except on a stage it is about to read or overwrite, so the warpgroups can drift apart and one
-// warpgroup's softmax runs under the other's wgmma. With `tma`, thread 0 may also copy a tile by
-// TMA (TmaStages::load on full), which adds one arrival to the phase: tiles loaded without it get
-// a plain one instead.
+// threads of a block. With a barrier: a tile is readable once every thread has waited for its
+// copies and passed __syncthreads, which also tells that the other stage is free. Decoupled:
+// full[st] completes when the copies of every thread into stage st have landed, empty[st] when
+// every thread is done reading it; no thread waits for the others except on a stage it is about
+// to read or overwrite, so the warpgroups can drift apart and one warpgroup's softmax runs under
+// the other's wgmma.
+// With `tma`, thread 0 may copy a tile pair by TMA (copy()), which completes on full[st] with its
+// byte count; full[st] then counts one arrival of thread 0 per tile (a plain one for tiles loaded
+// by cp.async), so that every tile completes one phase and `it` gives the parity in both modes.
 struct TileHandoff {
   static constexpr size_t kBytes = 4 * sizeof(uint64_t);
   uint64_t* full;
@@ -251,30 +252,45 @@ struct TileHandoff {
   // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
   __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_, bool tma_ = false)
       : full(static_cast<uint64_t*>(storage)), empty(full + 2), decoupled(decoupled_), tma(tma_) {
-    if (decoupled && threadIdx.x == 0)
-      for (int st = 0; st < 2; ++st) {
-        mbarrier_init(full + st, kThreads + (tma_ ? 1 : 0));
-        mbarrier_init(empty + st, kThreads);
-      }
-  }
-  // This thread has issued its copies of tile `it` (`by_tma`: thread 0 has issued a TMA copy).
-  __device__ __forceinline__ void loaded(int64_t it, bool by_tma = false) const {
-    if (decoupled) {
-      if (tma && !by_tma && threadIdx.x == 0) mbarrier_arrive(full + (it & 1));
-      cp_async_arrive(full + (it & 1));
-    } else {
-      cp_async_commit();
+    if (threadIdx.x != 0 || !(decoupled || tma)) return;
+    for (int st = 0; st < 2; ++st) {
+      mbarrier_init(full + st, (decoupled ? kThreads : 0) + (tma ? 1 : 0));
+      if (decoupled) mbarrier_init(empty + st, kThreads);
     }
+    fence_async_proxy();  // the initialised barriers, for the copy engine
+  }
+  // Rows [row, row + kRows) of (head, batch) of both maps into a and b (tiles of kRows x kHeadDim
+  // in the layout of load_tile), stage of tile `it`, by TMA. Called by every thread (thread 0
+  // issues) once the stage is free, before loaded(it, true).
+  template <int kRows, int kHeadDim, typename T>
+  __device__ __forceinline__ void copy(T* a, T* b, const TileMaps& maps, int64_t it, int64_t row, int64_t head,
+                                       int64_t batch) const {
+    if (threadIdx.x != 0) return;
+    uint64_t* bar = full + (it & 1);
+    mbarrier_arrive_expect_tx(bar, 2 * kRows * kHeadDim * sizeof(T));
+#pragma unroll
+    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+      tma_load(a + cb * kRows * 64, &maps.first, 64 * cb, row, head, batch, bar);
+      tma_load(b + cb * kRows * 64, &maps.second, 64 * cb, row, head, batch, bar);
+    }
+  }
+  // This thread has issued its copies of tile `it` (`by_tma`: the tile came by copy()).
+  __device__ __forceinline__ void loaded(int64_t it, bool by_tma = false) const {
+    if (tma && !by_tma && threadIdx.x == 0) mbarrier_arrive(full + (it & 1));
+    if (decoupled)
+      cp_async_arrive(full + (it & 1));
+    else
+      cp_async_commit();
   }
   // Waits until tile `it` is readable (with a barrier: and every thread is done with tile it - 1).
   __device__ __forceinline__ void wait_loaded(int64_t it) const {
-    if (decoupled) {
-      mbarrier_wait(full + (it & 1), static_cast<uint32_t>((it >> 1) & 1));
-      fence_async_proxy();
-    } else {
+    if (decoupled || tma) mbarrier_wait(full + (it & 1), static_cast<uint32_t>((it >> 1) & 1));
+    if (!decoupled) {
       cp_async_wait<0>();
       fence_async_proxy();
       __syncthreads();
+    } else {
+      fence_async_proxy();
     }
   }
   // Before loading tile `it`: every thread is done with tile it - 2 in the same stage.
@@ -284,44 +300,6 @@ struct TileHandoff {
   // This thread is done reading tile `it`.
   __device__ __forceinline__ void release(int64_t it) const {
     if (decoupled) mbarrier_arrive(empty + (it & 1));
-  }
-};
-
-// Tile pairs (K and V, or Q and dO) by bulk tensor copies into a double buffer: thread 0 issues
-// both tiles of a stage, which complete on full[stage]; every thread that reads them waits there.
-// The caller tells thread 0 that a stage is free again (its previous tiles read): a block barrier,
-// or the empty barriers of a decoupled TileHandoff, whose full barriers the copies then complete
-// on (TmaStages built on them, not initialised, not waited on).
-struct TmaStages {
-  static constexpr size_t kBytes = 2 * sizeof(uint64_t);
-  uint64_t* full;
-  uint32_t phases = 0;  // bit st: the parity of stage st's next completion
-
-  // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
-  __device__ __forceinline__ TmaStages(void* storage, bool active) : full(static_cast<uint64_t*>(storage)) {
-    if (active && threadIdx.x == 0) {
-      mbarrier_init(full, 1);
-      mbarrier_init(full + 1, 1);
-      fence_async_proxy();
-    }
-  }
-  // Rows [row, row + kRows) of (head, batch) of both maps into a and b (tiles of kRows x kHeadDim
-  // in the layout of load_tile), stage st. Called by every thread; thread 0 issues.
-  template <int kRows, int kHeadDim, typename T>
-  __device__ __forceinline__ void load(T* a, T* b, const TileMaps& maps, int st, int64_t row, int64_t head,
-                                       int64_t batch) const {
-    if (threadIdx.x != 0) return;
-    mbarrier_arrive_expect_tx(full + st, 2 * kRows * kHeadDim * sizeof(T));
-#pragma unroll
-    for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-      tma_load(a + cb * kRows * 64, &maps.first, 64 * cb, row, head, batch, full + st);
-      tma_load(b + cb * kRows * 64, &maps.second, 64 * cb, row, head, batch, full + st);
-    }
-  }
-  // Waits until the tiles of stage st have landed (each load of a stage waited on exactly once).
-  __device__ __forceinline__ void wait(int st) {
-    mbarrier_wait(full + st, (phases >> st) & 1u);
-    phases ^= 1u << st;
   }
 };
 
@@ -358,7 +336,7 @@ struct ForwardSmem {
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
   static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes + TmaStages::kBytes;
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -419,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
   const bool wg_live = 64 * wg < nq;
   // Stage handoff. The tiles after the first come by bulk tensor copies that thread 0 issues
-  // (TmaStages; T stays on cp.async) where the layout allows it: -17% forward time at D=64 against
+  // (TileHandoff::copy; T stays on cp.async) where the layout allows it: -17% forward time at D=64 against
   // cp.async by every thread. Decoupled (TileHandoff) at head dim 128 when both warpgroups hold
   // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA); at
   // head dim 64 (two blocks per SM) and in decoding (one live warpgroup) one barrier per tile:
@@ -428,10 +406,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
                             kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
-  // Decoupled, the copies complete on the handoff's full barriers instead of TmaStages' own.
-  TmaStages tma(handoff.decoupled ? static_cast<void*>(handoff.full)
-                                  : base + Smem::kBytesTiles + Smem::kBytesT + TileHandoff::kBytes,
-                use_tma && !handoff.decoupled);
   const int64_t kv_head = h / p.heads_per_kv_head();
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
@@ -481,7 +455,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
-    if (use_tma && it > 0 && !handoff.decoupled) tma.wait(stage);  // the first tile came by cp.async
     handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
     if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
@@ -491,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       const int64_t jn = j0 - kBlockN;
       T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
       if (use_tma) {  // a full tile inside the sequence
-        tma.load<kBlockN, kHeadDim>(Kn, Kn + Smem::kTile, maps, stage ^ 1, s.row_k + jn, kv_head, s.batch_index);
+        handoff.copy<kBlockN, kHeadDim>(Kn, Kn + Smem::kTile, maps, it + 1, s.row_k + jn, kv_head, s.batch_index);
       } else {
         load_tile<T, kBlockN, kHeadDim>(Kn, hp.k + jn * hp.k_row, hp.k_row, kBlockN);
         load_tile<T, kBlockN, kHeadDim>(Kn + Smem::kTile, hp.v + jn * hp.v_row, hp.v_row, kBlockN);
