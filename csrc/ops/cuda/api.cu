@@ -229,6 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
           if (hopper_kernels_enabled() && hopper_kernels_available()) {
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
+            auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
+            ws.query_bias = query_bias.data_ptr<float>();
             run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,
                                              stream);
           } else {

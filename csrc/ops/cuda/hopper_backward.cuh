@@ -53,7 +53,7 @@ struct DkdvSmem {
   static constexpr int kKV = kBlockN * kHeadDim;      // K or V: 128 keys
   static constexpr int kQ = kQueries * kHeadDim;   // one Q or dO tile
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
-  // T of the keys; per stage T, lse and delta of the queries
+  // T of the keys; per stage T, -(T + lse) and delta of the queries
   static constexpr size_t kBytesStats = sizeof(float) * (kBlockN + 2 * 3 * kQueries);
   static constexpr size_t kBytes = kBytesTiles + kBytesStats + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* Vs = Ks + Smem::kKV;
   T* QdO = Vs + Smem::kKV;  // stage s: Q at QdO + 2s * kQ, dO at QdO + (2s + 1) * kQ
   float* Tk = reinterpret_cast<float*>(base + Smem::kBytesTiles);
-  float* stats = Tk + kBlockN;  // stage s: T, lse, delta of the queries at stats + 3s * 64
+  float* stats = Tk + kBlockN;  // stage s: T, -(T + lse), delta of the queries at stats + 3s * kQueries
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const int group = lane >> 2, quad = lane & 3;
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
                     s.row_q * p.do_row_stride + h * p.do_head_stride;
     const int64_t stat = row_stat_offset(p, s, h);
-    const float* lse_h = static_cast<const float*>(p.lse) + stat;
+    const float* qbias_h = ws.query_bias + stat;
     const float* delta_h = ws.delta + stat;
     const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
     float colsum[2] = {0.f, 0.f};
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool ok = c < nq;
         const int64_t i = ok ? i0 + c : 0;
         cp_async_4(sn + c, T_ + i + offset, ok);
-        cp_async_4(sn + kQueries + c, lse_h + i, ok);
+        cp_async_4(sn + kQueries + c, qbias_h + i, ok);
         cp_async_4(sn + 2 * kQueries + c, delta_h + i, ok);
       }
       handoff.loaded(tile_it, by_tma);
@@ -196,11 +196,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    // Anchor j0: C of the key tile is T[j0]; R of this thread's keys (log2 domain).
+    // Anchor j0: C of the key tile is T[j0]; R of this thread's keys (T in log2 units).
     float c_cur = Tk[0];
     float rk[2];
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) rk[hi] = (c_cur - Tk[warp_row0 + group + 8 * hi]) * kLog2e;
+    for (int hi = 0; hi < 2; ++hi) rk[hi] = c_cur - Tk[warp_row0 + group + 8 * hi];
     const float r_last = c_cur - Tk[nk - 1];  // R of the last key (c_cur moves on with the queries)
     // When the first query lies tiles above the keys (seqlen_q < seqlen_k), C of its 128-tile:
     // the T of the boundaries in between, summed by every warp alike (xor butterfly).
@@ -212,14 +212,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // first position of the 128-tile after the one c_cur belongs to
     int64_t boundary = (max64(first_tile, tile) + 1) * kBlockN;
+    const float prune_log2 = p.prune_threshold * kLog2e;
 
     for (int64_t qt = qt_begin; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
       const int st = static_cast<int>(it & 1);
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
       const float* Tq = stats + 3 * st * kQueries;
-      const float* lse_q = Tq + kQueries;
-      const float* delta_q = lse_q + kQueries;
+      const float* qbias = Tq + kQueries;
+      const float* delta_q = qbias + kQueries;
       const int64_t i0 = qt * kQueries, p0 = i0 + offset;
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
       handoff.wait_loaded(it);
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
       const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
-      if (max_bias < p.prune_threshold) {
+      if (max_bias < prune_log2) {
         handoff.release(it++);
         break;
       }
@@ -247,7 +248,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_registers(sT);
       fence_registers(dpT);
 
-      // P^T and dS^T; the masked variant only where the tiles meet the diagonal, first_key or an end.
+      // P^T and dS^T: x = S^T * scale_log2 + R_p - lse2 - R_k, where R_p - lse2 = C_p + qbias_p and
+      // C_p is c_cur before the boundary and c_next from it on, so that a tile the boundary does not
+      // cross costs one shift per key row and no arithmetic per column. The masked variant (the
+      // tiles that meet the diagonal, first_key, an end or the boundary) picks C per column.
+      const int kb32 = static_cast<int>(max64(-1, min64(kQueries, kb)));
+      const bool crossing = kb32 > 0 && kb32 < kQueries;
+      float shift_lo[2], shift_hi[2];  // C - R_k before and from the boundary
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        shift_lo[hi] = (kb32 <= 0 ? c_next : c_cur) - rk[hi];
+        shift_hi[hi] = c_next - rk[hi];
+      }
       auto probabilities = [&](auto masked) {
         int shift = 0, key_lo = 0;
         if constexpr (decltype(masked)::value) {
@@ -257,19 +269,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int n = 0; n < kQueries / 8; ++n) {
           const int c = n * 8 + quad * 2;
-          const float2 t2 = *reinterpret_cast<const float2*>(Tq + c);
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_q + c);
+          const float2 b2 = *reinterpret_cast<const float2*>(qbias + c);
           const float2 d2 = *reinterpret_cast<const float2*>(delta_q + c);
-          // R_p (log2) - lse2 of the two columns
-          const float cp0 = (p0 + c >= boundary ? c_next : c_cur), cp1 = (p0 + c + 1 >= boundary ? c_next : c_cur);
-          const float col0 = (cp0 - t2.x) * kLog2e - l2.x * kLog2e;
-          const float col1 = (cp1 - t2.y) * kLog2e - l2.y * kLog2e;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int hi = e >> 1;
-            float x = fmaf(sT[4 * n + e], scale_log2, ((e & 1) ? col1 : col0) - rk[hi]);
+            const int hi = e >> 1, col = c + (e & 1);
+            float row_term = shift_lo[hi];
+            if constexpr (decltype(masked)::value) row_term = col >= kb32 ? shift_hi[hi] : shift_lo[hi];
+            float x = fmaf(sT[4 * n + e], scale_log2, (e & 1) ? b2.y : b2.x) + row_term;
             if constexpr (decltype(masked)::value) {
-              const int key = warp_row0 + group + 8 * hi, col = c + (e & 1);
+              const int key = warp_row0 + group + 8 * hi;
               // key j0 + key <= query position p0 + col, and both inside their sequences
               if (col < key + shift || col >= nq || key >= nk || key < key_lo) x = -INFINITY;
             }
@@ -281,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
-      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kQueries || nk < kBlockN)
+      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kQueries || nk < kBlockN || crossing)
         probabilities(std::true_type{});
       else
         probabilities(std::false_type{});
@@ -390,10 +399,11 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const int64_t pos = min64(a + r, L);
     // rows past the end get lse 0 (finite): computed, never written
     const float lse2 = r < nq ? static_cast<const float*>(p.lse)[stat + r] * kLog2e : 0.f;
-    rq[hi] = ((pos / kBlockN == ta ? c_a : c_above) - T_[pos]) * kLog2e - lse2;
+    rq[hi] = (pos / kBlockN == ta ? c_a : c_above) - T_[pos] - lse2;
     delta[hi] = r < nq ? ws.delta[stat + r] : 0.f;
   }
   float carry = (kt_hi * kBwdKeys) / kBlockN == ta ? c_a : c_above;  // C of the keys' 128-tile
+  const float prune_log2 = p.prune_threshold * kLog2e;
 
   float dq[kHeadDim / 2];
 #pragma unroll
@@ -407,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kBwdKeys;
     handoff.wait_loaded(it);
-    if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < p.prune_threshold) break;
+    if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < prune_log2) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
@@ -426,17 +436,18 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     fence_registers(sc);
     fence_registers(dp);
 
-    // dS = P (dP - delta), P = 2^(x - lse2) (rq holds R - lse2)
+    // dS = P (dP - delta), P = 2^(x - lse2) (rq holds R - lse2; the tile's C joins it per row)
     const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+    const float shift[2] = {rq[0] - carry, rq[1] - carry};
     auto scores_grad = [&](int i, int hi, float x) {
       const float ds = exp2f(x) * (dp[i] - delta[hi]);
       sc[i] = ds;
       rowsum[hi] += ds;
     };
     if (j0 + kBwdKeys - 1 > a || j0 < s.first_key)
-      for_each_score<true, kBwdKeys>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, scores_grad);
+      for_each_score<true, kBwdKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
     else
-      for_each_score<false, kBwdKeys>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, scores_grad);
+      for_each_score<false, kBwdKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
     uint32_t ds_frag[4][4];
     to_a_fragments<T, kBwdKeys>(ds_frag, sc);
 
@@ -482,7 +493,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
   if (key_tiles * p.num_heads * p.batch > 0)
     gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
-        p, gate_suffix, key_tiles);
+        p, gate_suffix, key_tiles, ws.query_bias);
   const int64_t kv_blocks = key_tiles * p.num_kv_heads * p.batch;
   if (kv_blocks > 0) {
     constexpr size_t smem = DkdvSmem<kHeadDim>::kAllocBytes;

@@ -9,7 +9,8 @@
 // TileHandoff: a block barrier per tile, or mbarriers that let the two warpgroups drift apart.
 //
 // Gate bias without a serial walk: a pre-pass writes, per 128-key tile t, the tile-local suffix
-// sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms). Relative to the first query
+// sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms; stored times log2(e), the
+// units of the kernels' exponents). Relative to the first query
 // a of the block, R_j = C_t - T_t[j] for every key and query position j of tile t, with
 // C_{t_a} = T_{t_a}[a] and C_{t-1} = C_t - T_t[t*128] (C_{t+1} = C_t + T_{t+1}[(t+1)*128]): one
 // load and one subtraction per key, errors growing with the distance from a, never with the
@@ -131,16 +132,16 @@ __device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows
 }
 
 // The scores of this thread's two rows (hi = 0, 1) against a tile of kCols keys, log2 domain:
-// x = S * scale_log2 + rq[hi] - R_j with R_j = C - T_j (C = carry, T of the keys in shared
-// memory), -inf past column last_col[hi] (causal) or before first_col (first_key) when kMasked.
-// Hands every (accumulator index, hi, x) to `use`. Without kRowTerm, rq is left out of x (a
-// softmax does not change under a constant per row: the forward adds it to the lse instead,
-// one add per row instead of one per score).
-template <bool kMasked, int kCols, bool kRowTerm = true, class Use>
+// x = S * scale_log2 + T_j (+ shift[hi] with kRowTerm), -inf past column last_col[hi] (causal) or
+// before first_col (first_key) when kMasked. Hands every (accumulator index, hi, x) to `use`.
+// T_j is in log2 units (gate_suffix_kernel), so the bias -R_j = T_j - C costs no arithmetic per
+// key: the tile's C and the row terms ride in one shift per row (the forward leaves it out of x
+// and moves its row maximum instead: a softmax does not change under a constant per row).
+template <bool kMasked, int kCols, bool kRowTerm, class Use>
 __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const float* Tk,
-                                               float carry, const float (&rq)[2],
-                                               float scale_log2, const int64_t (&last_col)[2],
-                                               int64_t first_col, Use&& use) {
+                                               const float (&shift)[2], float scale_log2,
+                                               const int64_t (&last_col)[2], int64_t first_col,
+                                               Use&& use) {
   const int quad = threadIdx.x & 3;
   int hi_col[2] = {0, 0}, lo_col = 0;
   if constexpr (kMasked) {  // int32 column limits relative to the tile
@@ -151,12 +152,11 @@ __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], con
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
     const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
-    const float b0 = (t2.x - carry) * kLog2e, b1 = (t2.y - carry) * kLog2e;  // -R_j, log2
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hi = e >> 1;
-      const float b = (e & 1) ? b1 : b0;
-      float x = fmaf(sc[4 * n + e], scale_log2, kRowTerm ? rq[hi] + b : b);
+      float x = fmaf(sc[4 * n + e], scale_log2, (e & 1) ? t2.y : t2.x);
+      if constexpr (kRowTerm) x += shift[hi];
       if constexpr (kMasked) {
         const int col = n * 8 + quad * 2 + (e & 1);
         if (col > hi_col[hi] || col < lo_col) x = -INFINITY;
@@ -303,12 +303,14 @@ struct TileHandoff {
   }
 };
 
-// T_t[j] for every key j of every (sequence, head): one block of kBlockN threads per key tile.
-// `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. (A template: one copy per
-// instantiation file is fine.)
+// T_t[j] (log2 units) for every key j of every (sequence, head): one block of kKeys threads per
+// key tile. `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. With `query_bias`
+// (the backward), also -(T + lse) in log2 units for every query, laid out like lse: the dK/dV
+// kernel's per-query term (query i sits at key position i + len_k - len_q). (A template: one copy
+// per instantiation file is fine.)
 template <int kKeys>
 __global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams p, float* suffix,
-                                                            int64_t num_tiles) {
+                                                            int64_t num_tiles, float* query_bias) {
   __shared__ float warp_totals[kKeys / 32];
   const int64_t b = blockIdx.x;
   const int64_t t = b % num_tiles;
@@ -327,7 +329,14 @@ __global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams 
 #pragma unroll
   for (int w = 1; w < kKeys / 32; ++w)
     if (w > warp) x += warp_totals[w];
-  if (j < s.len_k) suffix[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j] = x;
+  if (j >= s.len_k) return;
+  const float t2 = x * kLog2e;
+  suffix[(s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k + j] = t2;
+  const int64_t i = j - (s.len_k - s.len_q);
+  if (query_bias != nullptr && i >= 0) {
+    const int64_t stat = row_stat_offset(p, s, h) + i;
+    query_bias[stat] = -(t2 + static_cast<const float*>(p.lse)[stat] * kLog2e);
+  }
 }
 
 template <int kHeadDim>
@@ -435,9 +444,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int64_t pos = min64(a + row_of(hi), L);
-    rq[hi] = ((pos / kBlockN == ta ? c_a : c_above) - T_[pos]) * kLog2e;
+    rq[hi] = (pos / kBlockN == ta ? c_a : c_above) - T_[pos];
   }
   float carry = kt_top == ta ? c_a : c_above;  // C of tile kt
+  const float prune_log2 = p.prune_threshold * kLog2e;
   if (kt_hi < kt_top) {  // a chunk below the diagonal: C_{t-1} = C_t - T_t[t * 128] down to kt_hi
     float sum = 0.f;
     for (int64_t u = kt_hi + 1 + lane; u <= kt_top; u += 32) sum += T_[u * kBlockN];
@@ -457,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
     handoff.wait_loaded(it);
     // The largest bias of the tile is at its top key; the same decision in every thread.
-    if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < p.prune_threshold) break;
+    if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < prune_log2) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
@@ -490,29 +500,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     fence_registers(sc);
 
     // Bias, masks and the online softmax, log2 domain. The masked variant runs only on the tiles
-    // that cross the diagonal or first_key (int32 column limits, relative to the tile).
+    // that cross the diagonal or first_key (int32 column limits, relative to the tile). The
+    // scores are x' = x + C (C = carry): row_max stays in the frame of x, the exponent subtracts
+    // row_max + C.
     float tile_max[2] = {-INFINITY, -INFINITY};
+    const float no_shift[2] = {0.f, 0.f};
     const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
     auto bias_and_max = [&](int i, int hi, float x) {
       sc[i] = x;
       tile_max[hi] = fmaxf(tile_max[hi], x);
     };
     if (j0 + kBlockN - 1 > a || j0 < s.first_key)
-      for_each_score<true, kBlockN, false>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
+      for_each_score<true, kBlockN, false>(sc, Tk, no_shift, scale_log2, last_col, s.first_key - j0, bias_and_max);
     else
-      for_each_score<false, kBlockN, false>(sc, Tk, carry, rq, scale_log2, last_col, s.first_key - j0, bias_and_max);
+      for_each_score<false, kBlockN, false>(sc, Tk, no_shift, scale_log2, last_col, s.first_key - j0, bias_and_max);
     float correction[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       float m = tile_max[hi];
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float new_max = fmaxf(row_max[hi], m);
+      const float new_max = fmaxf(row_max[hi], m - carry);
       // A row that has seen no key yet keeps max -inf: subtract 0 instead (all its p are 0).
       const float base_max = new_max == -INFINITY ? 0.f : new_max;
       correction[hi] = exp2f(row_max[hi] - base_max);
       row_max[hi] = new_max;
-      tile_max[hi] = base_max;
+      tile_max[hi] = base_max + carry;  // the exponent's shift in the frame of x'
     }
     // P in the A-operand layout: the accumulators of 8-column chunks 2k, 2k+1 form k-step k.
     uint32_t p_frag[kBlockN / 16][4];
@@ -593,7 +606,7 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
   if (key_tiles * p.num_heads * p.batch == 0) return;
   gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
-      p, gate_suffix, key_tiles);
+      p, gate_suffix, key_tiles, nullptr);
   const int64_t tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = tiles * p.num_heads * p.batch;
   if (blocks == 0) return;
@@ -610,7 +623,7 @@ void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& sp
   using namespace hopper;
   const int64_t key_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
   gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
-      p, gate_suffix, key_tiles);
+      p, gate_suffix, key_tiles, nullptr);
   auto kernel = forward_kernel<T, kHeadDim, true>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

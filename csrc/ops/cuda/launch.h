@@ -29,6 +29,9 @@ struct BackwardWorkspace {
   // comes from the rounded (fp16/bf16) output, and keeping these sums in dc = rowsum - colsum
   // cancels that rounding for every key the query attends to (reverse cumsum of dc).
   float* dq_rowsum = nullptr;
+  // Hopper kernels only: -(T + lse) per query in log2 units, T the gate suffix sum at its position
+  // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
+  float* query_bias = nullptr;
 };
 
 // Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
