@@ -97,38 +97,48 @@ __device__ __forceinline__ int sw128_offset(int row, int chunk, int rows) {
 }
 
 // wgmma shared-memory descriptor for a 128-byte-swizzled operand: start address, leading and
-// stride byte offsets (all in 16-byte units), layout type 1 = 128-byte swizzle.
-__device__ __forceinline__ uint64_t sw128_descriptor(const void* p, uint32_t leading_bytes,
-                                                     uint32_t stride_bytes) {
-  const uint32_t address = smem_address(p);
-  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>(leading_bytes >> 4) << 16 |
-         static_cast<uint64_t>(stride_bytes >> 4) << 32 | uint64_t{1} << 62;
+// stride byte offsets (all in 16-byte units), layout type 1 = 128-byte swizzle. The address field
+// is built once per tile (tile_address) and each k-step adds its constant offset to the low word
+// (the field has room: shared addresses stay below 2^18), about 3 instructions per wgmma instead
+// of the ~10 of rebuilding the descriptor from a pointer.
+__device__ __forceinline__ uint32_t tile_address(const void* p) { return (smem_address(p) & 0x3FFFF) >> 4; }
+template <uint32_t kOffsetBytes, uint32_t kLeadingBytes, uint32_t kStrideBytes>
+__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address) {
+  constexpr uint32_t kLow = (kOffsetBytes >> 4) + ((kLeadingBytes >> 4) << 16);
+  constexpr uint32_t kHigh = (kStrideBytes >> 4) | (1u << 30);
+  return static_cast<uint64_t>(kHigh) << 32 | (address + kLow);
 }
 
 // acc (64 x N) = rows [a_row0, a_row0 + 64) of tile A (kARows x kHeadDim) times the transpose of
 // tile B (N x kHeadDim): both K-major, k-steps of 16 columns (32 bytes inside a 128-byte row,
 // then the next 64-column block).
+template <class Op, int kHeadDim, int kARows, int kBRows, typename T, int N, int... KS>
+__device__ __forceinline__ void gemm_rows_by_tile(uint32_t a, uint32_t b, float (&acc)[N],
+                                                  std::integer_sequence<int, KS...>) {
+  (gmma_ss<Op>(sw128_descriptor<((KS / 4) * kARows * 64 + (KS % 4) * 16) * sizeof(T), 16, 1024>(a),
+               sw128_descriptor<((KS / 4) * kBRows * 64 + (KS % 4) * 16) * sizeof(T), 16, 1024>(b), acc,
+               KS > 0),
+   ...);
+}
 template <class Op, int kHeadDim, int kARows, int kBRows, typename T, int N>
 __device__ __forceinline__ void gemm_rows_by_tile(const T* a, int a_row0, const T* b,
                                                   float (&acc)[N]) {
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const int offset = (ks % 4) * 16;
-    gmma_ss<Op>(sw128_descriptor(a + (ks / 4) * kARows * 64 + a_row0 * 64 + offset, 16, 1024),
-                sw128_descriptor(b + (ks / 4) * kBRows * 64 + offset, 16, 1024), acc, ks > 0);
-  }
+  gemm_rows_by_tile<Op, kHeadDim, kARows, kBRows, T>(tile_address(a + a_row0 * 64), tile_address(b),
+                                                     acc, std::make_integer_sequence<int, kHeadDim / 16>{});
 }
 
 // acc (64 x head dim) += P (64 x kRows, A fragments of kRows / 16 k-steps) times tile B
 // (kRows x head dim) read transposed: its rows are the k dimension (leading byte offset: the
 // next 64-column block of the tile).
+template <class Op, int kRows, typename T, int N, int... KS>
+__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows / 16][4], uint32_t b,
+                                                   float (&acc)[N], std::integer_sequence<int, KS...>) {
+  (gmma_rs<Op>(frags[KS], sw128_descriptor<KS * 16 * 64 * sizeof(T), kRows * 128, 1024>(b), acc), ...);
+}
 template <class Op, int kRows, typename T, int N>
 __device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows / 16][4],
                                                    const T* b, float (&acc)[N]) {
-#pragma unroll
-  for (int ks = 0; ks < kRows / 16; ++ks)
-    gmma_rs<Op>(frags[ks], sw128_descriptor(b + ks * 16 * 64, kRows * 128, 1024), acc);
+  gemm_frags_by_tile<Op, kRows, T>(frags, tile_address(b), acc, std::make_integer_sequence<int, kRows / 16>{});
 }
 
 // The scores of this thread's two rows (hi = 0, 1) against a tile of kCols keys, log2 domain:
