@@ -379,10 +379,7 @@ template <typename T, int kHeadDim>
 void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,
                        int64_t max_len_k, cudaStream_t stream) {
   using namespace fast;
-  const int64_t total_rows = (p.cu_seqlens ? 1 : p.batch) * p.seqlen_q;
-  const int64_t delta_warps = total_rows * p.num_heads;
-  if (delta_warps > 0)
-    generic::delta_kernel<T><<<static_cast<unsigned>((delta_warps + 7) / 8), 256, 0, stream>>>(p, ws.delta, total_rows);
+  generic::launch_delta<T>(p, ws.delta, stream);
   constexpr size_t smem = BackwardSmem<kHeadDim>::kBytes;
   const int64_t k_tiles = (max_len_k + kBlockN - 1) / kBlockN;
   const int64_t kv_blocks = k_tiles * p.num_kv_heads * p.batch;

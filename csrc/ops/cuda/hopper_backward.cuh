@@ -486,10 +486,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   using namespace hopper;
   auto dkdv = dkdv_kernel<T, kHeadDim>;
   auto dq = dq_kernel<T, kHeadDim>;
-  const int64_t total_rows = (p.cu_seqlens ? 1 : p.batch) * p.seqlen_q;
-  const int64_t delta_warps = total_rows * p.num_heads;
-  if (delta_warps > 0)
-    generic::delta_kernel<T><<<static_cast<unsigned>((delta_warps + 7) / 8), 256, 0, stream>>>(p, ws.delta, total_rows);
+  generic::launch_delta<T>(p, ws.delta, stream);
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
   if (key_tiles * p.num_heads * p.batch > 0)
     gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
