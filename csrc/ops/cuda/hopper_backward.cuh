@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* Tk = reinterpret_cast<float*>(base + Smem::kBytesTiles);
   float* stats = Tk + kBlockN;  // stage s: T, -(T + lse), delta of the queries at stats + 3s * kQueries
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
 
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float prune_log2 = p.prune_threshold * kLog2e;
 
     for (int64_t qt = qt_begin; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
-      const int st = static_cast<int>(it & 1);
+      const int st = warp_uniform(static_cast<int>(it & 1));
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
       const float* Tq = stats + 3 * st * kQueries;
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   T* KV = dOs + Smem::kQ;  // stage s: K at KV + 2s * kKV, V at KV + (2s + 1) * kKV
   float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);  // stage s: T of its keys
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);
 
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
 
   for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
     const int64_t j0 = kt * kBwdKeys;
-    const int st = static_cast<int>(it & 1);
+    const int st = warp_uniform(static_cast<int>(it & 1));
     const T* Ks = KV + 2 * st * Smem::kKV;
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kBwdKeys;

@@ -89,6 +89,11 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
+// x as the compiler sees it when read from lane 0: the same in the whole warp, so that what derives
+// from it (the wgmma descriptors of the warpgroup's rows and of the stage) stays in uniform
+// registers instead of being rebuilt in every thread before every wgmma.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Shared-memory tiles: rows of 64 elements (128 bytes) per 64-column block, blocks one after the
 // other ([column block][row][64]); the 16-byte chunk c of row r sits at chunk c ^ (r % 8), the
 // hardware's 128-byte swizzle (tiles start 1024-byte aligned).
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   T* Qs = reinterpret_cast<T*>(base);
   T* KV = Qs + Smem::kQ;  // stage s: K at KV + 2s * tile, V at KV + (2s + 1) * tile
   float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);  // stage s: T of its keys
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first query row in the block
 
@@ -471,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 
   for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
     const int64_t j0 = kt * kBlockN;
-    const int stage = static_cast<int>(it & 1);
+    const int stage = warp_uniform(static_cast<int>(it & 1));
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
