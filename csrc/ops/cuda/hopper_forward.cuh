@@ -378,6 +378,12 @@ constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 #define FOX_HOPPER_TMA_DECOUPLED 1
 #endif
 
+// The decoupled handoff in the head-dim-64 forward too (1; version 30's code: -1.5% forward time,
+// forward+backward even, so the simpler barrier stays).
+#ifndef FOX_HOPPER_FWD_DECOUPLED_64
+#define FOX_HOPPER_FWD_DECOUPLED_64 0
+#endif
+
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
 // writes a partial result in fp32 with its log2-domain lse, merged by
 // generic::split_combine_kernel); num_tiles is then the number of chunks.
@@ -425,9 +431,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // cp.async by every thread. Decoupled (TileHandoff) at head dim 128 when both warpgroups hold
   // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA); at
   // head dim 64 (two blocks per SM) and in decoding (one live warpgroup) one barrier per tile:
-  // decoupling measured +4% there with TMA, +24% and +13-16% without.
+  // decoupling measured +4% there with TMA, +24% and +13-16% without (and -1.5% at D=64 after the
+  // instruction cuts of versions 27-30: FOX_HOPPER_FWD_DECOUPLED_64).
   const bool use_tma = maps.enabled != 0;
-  constexpr bool kDecoupled = kHeadDim > 64 && !kSplit;
+  constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_FWD_DECOUPLED_64) && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
                             kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
   const int64_t kv_head = h / p.heads_per_kv_head();
