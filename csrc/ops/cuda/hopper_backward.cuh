@@ -10,7 +10,7 @@
 //     query tiles (kDkdvQueries) upwards from the diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
-//     S = Q K^T, dP = dO V^T, dQ += dS K, walking 64-key tiles downwards; row sums of dS.
+//     S = Q K^T, dP = dO V^T, dQ += dS K, walking key tiles (kDqKeys) downwards; row sums of dS.
 //
 // Bias: with C and T as in the forward, R_x = C_{tile(x)} - T[x] relative to an anchor; the dkdv
 // kernel anchors at its first key j0 (C = T[j0] on the key tile, then C += T[boundary] at each
@@ -29,7 +29,17 @@ namespace fox::cuda::hopper {
 #endif
 template <int kHeadDim>
 constexpr int kDkdvQueries = kHeadDim <= 64 ? FOX_HOPPER_DKDV_QUERIES_64 : 64;
-constexpr int kBwdKeys = 64;     // key tile of the dq kernel
+// Key tile of the dq kernel: 128 at head dim 128 (-10% time against 64: half the waits, stage
+// handoffs and statistics loads per key, longer wgmma chains; 160 bytes of spills); 64 at head
+// dim 64, where 128 would cost the second block per SM (+15%).
+#ifndef FOX_HOPPER_DQ_KEYS_64
+#define FOX_HOPPER_DQ_KEYS_64 64
+#endif
+#ifndef FOX_HOPPER_DQ_KEYS_128
+#define FOX_HOPPER_DQ_KEYS_128 128
+#endif
+template <int kHeadDim>
+constexpr int kDqKeys = kHeadDim <= 64 ? FOX_HOPPER_DQ_KEYS_64 : FOX_HOPPER_DQ_KEYS_128;
 
 // Blocks per SM of the dq kernel: at head dim 64 its tiles are small and a block waits on its own
 // short wgmma chains, so two blocks (shared memory ~66 KB each) overlap, at the price of a
@@ -62,9 +72,10 @@ struct DkdvSmem {
 template <int kHeadDim>
 struct DqSmem {
   static constexpr int kQ = kBlockM * kHeadDim;     // Q or dO: 128 queries
-  static constexpr int kKV = kBwdKeys * kHeadDim;   // one K or V tile
+  static constexpr int kKeys = kDqKeys<kHeadDim>;
+  static constexpr int kKV = kKeys * kHeadDim;      // one K or V tile
   static constexpr size_t kBytesTiles = 2 * (2 * kQ + 2 * 2 * kKV);  // Q, dO, 2 stages of (K, V)
-  static constexpr size_t kBytesT = sizeof(float) * 2 * kBwdKeys;  // T per stage
+  static constexpr size_t kBytesT = sizeof(float) * 2 * kKeys;  // T per stage
   static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
@@ -331,7 +342,8 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
               int64_t num_tiles, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = DqSmem<kHeadDim>;
-  using GmmaS = typename Gmma<T, kBwdKeys>::SS;
+  constexpr int kKeys = Smem::kKeys;
+  using GmmaS = typename Gmma<T, kKeys>::SS;
   using GmmaD = typename Gmma<T, kHeadDim>::RS;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
                   (s.row_q + i0) * p.do_row_stride + h * p.do_head_stride;
   const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const int64_t kt_hi = L / kBwdKeys, kt_lo = s.first_key / kBwdKeys;
+  const int64_t kt_hi = L / kKeys, kt_lo = s.first_key / kKeys;
 
   // Stage handoff as in the forward: the key tiles after the first (all full, inside the sequence)
   // by TMA where the layout allows it; decoupled at head dim 128 when both warpgroups hold queries
@@ -366,19 +378,19 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
                             use_tma);
   const int64_t kv_head = h / p.heads_per_kv_head();
   auto load_keys = [&](int64_t kt, int64_t tile_it, bool by_tma) {  // into the stage of tile_it
-    const int64_t j0 = kt * kBwdKeys;
+    const int64_t j0 = kt * kKeys;
     const int st = static_cast<int>(tile_it & 1);
-    const int nk = static_cast<int>(min64(kBwdKeys, s.len_k - j0));
+    const int nk = static_cast<int>(min64(kKeys, s.len_k - j0));
     T* Kn = KV + 2 * st * Smem::kKV;
     if (by_tma) {
-      handoff.copy<kBwdKeys, kHeadDim>(Kn, Kn + Smem::kKV, maps, tile_it, s.row_k + j0, kv_head, s.batch_index);
+      handoff.copy<kKeys, kHeadDim>(Kn, Kn + Smem::kKV, maps, tile_it, s.row_k + j0, kv_head, s.batch_index);
     } else {
-      load_tile<T, kBwdKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
-      load_tile<T, kBwdKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
+      load_tile<T, kKeys, kHeadDim>(Kn, hp.k + j0 * hp.k_row, hp.k_row, nk);
+      load_tile<T, kKeys, kHeadDim>(Kn + Smem::kKV, hp.v + j0 * hp.v_row, hp.v_row, nk);
     }
-    if (threadIdx.x < kBwdKeys) {
+    if (threadIdx.x < kKeys) {
       const int64_t j = j0 + threadIdx.x;
-      cp_async_4(Ts + st * kBwdKeys + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+      cp_async_4(Ts + st * kKeys + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
   };
   __syncthreads();  // the initialized barriers, for every thread
@@ -402,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     rq[hi] = (pos / kBlockN == ta ? c_a : c_above) - T_[pos] - lse2;
     delta[hi] = r < nq ? ws.delta[stat + r] : 0.f;
   }
-  float carry = (kt_hi * kBwdKeys) / kBlockN == ta ? c_a : c_above;  // C of the keys' 128-tile
+  float carry = (kt_hi * kKeys) / kBlockN == ta ? c_a : c_above;  // C of the keys' 128-tile
   const float prune_log2 = p.prune_threshold * kLog2e;
 
   float dq[kHeadDim / 2];
@@ -411,13 +423,13 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
   float rowsum[2] = {0.f, 0.f};
 
   for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
-    const int64_t j0 = kt * kBwdKeys;
+    const int64_t j0 = kt * kKeys;
     const int st = warp_uniform(static_cast<int>(it & 1));
     const T* Ks = KV + 2 * st * Smem::kKV;
     const T* Vs = Ks + Smem::kKV;
-    const float* Tk = Ts + st * kBwdKeys;
+    const float* Tk = Ts + st * kKeys;
     handoff.wait_loaded(it);
-    if (-(carry - Tk[min64(kBwdKeys - 1, L - j0)]) < prune_log2) break;
+    if (-(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
@@ -426,10 +438,10 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     };
     if (!handoff.decoupled) prefetch_next();
 
-    float sc[32], dp[32];
+    float sc[kKeys / 2], dp[kKeys / 2];
     cute::warpgroup_arrive();
-    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBwdKeys>(Qs, 64 * wg, Ks, sc);
-    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBwdKeys>(dOs, 64 * wg, Vs, dp);
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kKeys>(Qs, 64 * wg, Ks, sc);
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kKeys>(dOs, 64 * wg, Vs, dp);
     cute::warpgroup_commit_batch();
     if (handoff.decoupled) prefetch_next();
     cute::warpgroup_wait<0>();
@@ -444,17 +456,17 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
       sc[i] = ds;
       rowsum[hi] += ds;
     };
-    if (j0 + kBwdKeys - 1 > a || j0 < s.first_key)
-      for_each_score<true, kBwdKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
+    if (j0 + kKeys - 1 > a || j0 < s.first_key)
+      for_each_score<true, kKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
     else
-      for_each_score<false, kBwdKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
-    uint32_t ds_frag[4][4];
-    to_a_fragments<T, kBwdKeys>(ds_frag, sc);
+      for_each_score<false, kKeys, true>(sc, Tk, shift, scale_log2, last_col, s.first_key - j0, scores_grad);
+    uint32_t ds_frag[kKeys / 16][4];
+    to_a_fragments<T, kKeys>(ds_frag, sc);
 
     // dQ += dS K
     fence_registers(dq);
     cute::warpgroup_arrive();
-    gemm_frags_by_tile<GmmaD, kBwdKeys>(ds_frag, Ks, dq);
+    gemm_frags_by_tile<GmmaD, kKeys>(ds_frag, Ks, dq);
     cute::warpgroup_commit_batch();
     if (j0 % kBlockN == 0) carry -= Tk[0];  // crossing into the 128-tile below: C -= T[j0]
     cute::warpgroup_wait<0>();
@@ -503,7 +515,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   if (q_blocks > 0) {
     constexpr size_t smem = DqSmem<kHeadDim>::kAllocBytes;
     cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBwdKeys);
+    const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kDqKeys<kHeadDim>);
     dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles, maps);
   }
   if (p.batch * p.num_heads > 0)
