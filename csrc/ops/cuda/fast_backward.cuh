@@ -395,8 +395,7 @@ void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     kernel<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, q_tiles);
   }
-  if (p.batch * p.num_heads > 0)
-    generic::gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+  generic::launch_gate_grad(p, ws, stream);
 }
 
 }  // namespace fox::cuda

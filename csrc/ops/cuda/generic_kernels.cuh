@@ -722,6 +722,12 @@ static __global__ void __launch_bounds__(256)
   }
 }
 
+// Launches gate_grad_kernel (the last step of each backward: the portable, Hopper and generic paths).
+static inline void launch_gate_grad(const BackwardParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
+  if (p.batch * p.num_heads > 0)
+    gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+}
+
 // ---- launchers -----------------------------------------------------------------------------------
 
 inline size_t forward_smem_bytes(int D) {
@@ -791,8 +797,7 @@ void run_generic_backward(const BackwardParams& p, const BackwardWorkspace& ws, 
     allow_smem(kernel, dq_smem_bytes(D));
     kernel<<<static_cast<unsigned>(q_blocks), kThreads, dq_smem_bytes(D), stream>>>(p, ws, q_tiles);
   }
-  if (p.batch * p.num_heads > 0)
-    gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+  launch_gate_grad(p, ws, stream);
 }
 
 }  // namespace fox::cuda

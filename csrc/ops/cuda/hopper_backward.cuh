@@ -518,8 +518,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
     const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kDqKeys<kHeadDim>);
     dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles, maps);
   }
-  if (p.batch * p.num_heads > 0)
-    generic::gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+  generic::launch_gate_grad(p, ws, stream);
 }
 
 }  // namespace fox::cuda
