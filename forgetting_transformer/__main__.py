@@ -1,7 +1,7 @@
 """`python -m forgetting_transformer ...`: the `fox` command line (see forgetting_transformer.cli)."""
 import sys
 
-from .cli import main
+from .cli import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

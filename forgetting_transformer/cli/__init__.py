@@ -210,4 +210,20 @@ def main(argv=None):
     return 0
 
 
-__all__ = ["main", "make_parser"]
+def console_main():
+    """The `fox` and `python -m forgetting_transformer` entry point: main(), then the exit code.
+
+    A rank of a torchrun job (WORLD_SIZE > 1) leaves through os._exit once main() has returned,
+    its process group destroyed and its files closed. Interpreter finalization would race gloo's
+    worker threads, which can still be releasing tensors that own Python objects; a thread that
+    needs the GIL while the interpreter finalizes aborts the process ("terminate called without
+    an active exception", SIGABRT) after a run that succeeded."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+__all__ = ["console_main", "main", "make_parser"]

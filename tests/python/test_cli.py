@@ -481,6 +481,21 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     assert json.load(open(tmp_path / "ddp" / "run_info.json"))["world_size"] == 2
 
 
+@pytest.mark.parametrize("world", [None, "2"])
+def test_console_main_skips_finalization_only_under_torchrun(monkeypatch, capsys, world):
+    """A torchrun rank leaves through os._exit with main()'s code (gloo's threads must not meet a
+    finalizing interpreter); a plain process returns the code to sys.exit."""
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    assert cli.console_main() == 3
+    assert exits == ([] if world is None else [3])
+
+
 def test_tensorboard_events(tmp_path, monkeypatch):
     pytest.importorskip("torch.utils.tensorboard")
     out = tmp_path / "tb"

@@ -19,5 +19,5 @@ def torchrun_train(args, timeout=180):
                         "--master_addr", "127.0.0.1", "--master_port", str(port),
                         "-m", "forgetting_transformer", "train", *args],
                        capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + "\n" + r.stderr[-3000:]
     return r
