@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from forgetting_transformer import nn as fnn
+from forgetting_transformer.reference import rope, shift  # the same KV-shift and RoPE math
 
 flex = torch.compile(flex_attention, dynamic=False)
 
@@ -24,24 +25,6 @@ def rms(x, w, groups, eps):
     g = x.float().reshape(*shape[:-1], groups, -1)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return (g.reshape(shape) * w).to(x.dtype)
-
-
-def shift(x, p, prefix, heads):
-    out = F.linear(x, p[prefix + "linear.weight"])
-    alpha = torch.sigmoid(F.linear(x, p[prefix + "shift_proj.weight"]))[..., None]
-    B, T, _ = out.shape
-    cur = out.view(B, T, heads, -1)
-    prev = F.pad(cur, (0, 0, 0, 0, 1, 0))[:, :-1]
-    return (alpha * prev + (1 - alpha) * cur).reshape(B, T, -1)
-
-
-def rope(x, base):
-    T, D = x.shape[1], x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv
-    cos, sin = ang.cos()[None, :, None].to(x.dtype), ang.sin()[None, :, None].to(x.dtype)
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def eager_attention(c, p, prefix, x, block_mask):

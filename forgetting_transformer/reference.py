@@ -37,9 +37,9 @@ def shift(x, sd, p, heads):
 def rope(x, base):
     """Rotary embedding on (B, T, H, D), rotating the two halves of D."""
     T, D = x.shape[1], x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv).to(x.dtype)
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64, device=x.device) / D)
+    ang = torch.arange(T, dtype=torch.float64, device=x.device)[:, None] * inv
+    cos, sin = (t.to(x.dtype)[None, :, None] for t in (ang.cos(), ang.sin()))
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
