@@ -5,6 +5,7 @@ Environment knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0a"), CUDA_HOME (a CUDA 
 FOX_BUILD_TESTS=0 (skip the Catch2 tests), FOX_BUILD_DIR (default build/cmake), MAX_JOBS.
 """
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,21 @@ ROOT = Path(__file__).parent.resolve()
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
+
+
+def drop_cache_on_new_cuda_compiler(build_dir: Path, nvcc: str) -> None:
+    """CMake cannot switch compilers in a configured tree: given a new CMAKE_CUDA_COMPILER it wipes
+    its cache and configures again without this command's -D options, and then cannot find Torch.
+    A fresh cache instead (CUDA_HOME moved); the objects and ninja's log keep the build incremental."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    for line in cache.read_text().splitlines():
+        if line.startswith("CMAKE_CUDA_COMPILER:"):
+            if line.split("=", 1)[1] != nvcc:
+                cache.unlink()
+                shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+            return
 
 
 class CMakeBuild(build_ext):
@@ -42,10 +58,12 @@ class CMakeBuild(build_ext):
         ]
         cuda_home = os.environ.get("CUDA_HOME")
         if cuda_home and torch.version.cuda:
+            nvcc = f"{cuda_home}/bin/nvcc"
+            drop_cache_on_new_cuda_compiler(build_dir, nvcc)
             args += [
                 f"-DCUDAToolkit_ROOT={cuda_home}",
                 f"-DCUDA_TOOLKIT_ROOT_DIR={cuda_home}",
-                f"-DCMAKE_CUDA_COMPILER={cuda_home}/bin/nvcc",
+                f"-DCMAKE_CUDA_COMPILER={nvcc}",
             ]
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
         build = ["cmake", "--build", str(build_dir)]
