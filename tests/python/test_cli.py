@@ -482,7 +482,7 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("world", [None, "2"])
-def test_console_main_skips_finalization_only_under_torchrun(monkeypatch, capsys, world):
+def test_console_main_skips_finalization_only_under_torchrun(monkeypatch, world):
     """A torchrun rank leaves through os._exit with main()'s code (gloo's threads must not meet a
     finalizing interpreter); a plain process returns the code to sys.exit."""
     exits = []
