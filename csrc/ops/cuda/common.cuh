@@ -98,8 +98,27 @@ __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
   return hp;
 }
 
-// The query tile a block owns. Blocks enumerate (sequence, head, tile), tile fastest, the last
-// tiles of a sequence (the longest causal rows) first so that the short ones make the tail.
+// Order of the blocks of a causal walk over (row = sequence * heads + head, tile). Rows are
+// taken in sections of about kSectionBytes of walked tiles (K and V, or Q and dO), which stay in
+// L2 while the section runs; inside a section the tiles of most work come first for every row
+// (rank 0 = the longest walk), so that a section's short walks run beside the next section's long
+// ones and the shortest walks of the last section make the tail. One row per section is the
+// order of (row, tile), tile fastest.
+struct TileOrder {
+  int64_t row = 0, rank = 0;
+};
+constexpr int64_t kSectionBytes = 8 << 20;
+__device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes) {
+  const int64_t per_section = max64(1, min64(rows, kSectionBytes / max64(row_bytes, 1)));
+  const int64_t b = blockIdx.x;
+  const int64_t section = b / (per_section * num_tiles), first_row = section * per_section;
+  const int64_t in_section = b - first_row * num_tiles;
+  const int64_t width = min64(per_section, rows - first_row);  // the last section may be narrower
+  return {first_row + in_section % width, in_section / width};
+}
+
+// The query tile a block owns (the longest causal rows first, block_tile_order). Split-KV
+// decoding (first_tile_only) enumerates (row, key chunk) instead, chunk fastest.
 // nq == 0: the tile lies past the end of its sequence (a shorter one of a varlen batch).
 struct QueryTile {
   SequenceView s;
@@ -109,17 +128,36 @@ struct QueryTile {
 };
 __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, int64_t num_tiles,
                                                       int block_m, bool first_tile_only = false) {
-  const int64_t b = blockIdx.x;
-  const int64_t tile = first_tile_only ? 0 : num_tiles - 1 - b % num_tiles;
+  int64_t row, tile;
+  if (first_tile_only) {
+    row = blockIdx.x / num_tiles;
+    tile = 0;
+  } else {
+    const TileOrder o = block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim);
+    row = o.row;
+    tile = num_tiles - 1 - o.rank;
+  }
   QueryTile t;
-  t.h = (b / num_tiles) % p.num_heads;
-  t.s = p.sequence(b / (num_tiles * p.num_heads));
+  t.h = row % p.num_heads;
+  t.s = p.sequence(row / p.num_heads);
   t.i0 = tile * block_m;
   if (t.i0 >= t.s.len_q) return t;
   t.nq = static_cast<int>(min64(block_m, t.s.len_q - t.i0));
   t.a = t.s.query_position(t.i0);
   t.L = t.a + t.nq - 1;
   return t;
+}
+
+// The key tile a dK/dV block owns: the first key tiles (seen by the most queries) first. Its walk
+// covers the queries of every head of the kv head's group.
+struct KeyTile {
+  SequenceView s;
+  int64_t hk = 0, j0 = 0;  // kv head, first key
+};
+__device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles, int block_n) {
+  const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
+                                       4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head());
+  return {p.sequence(o.row / p.num_kv_heads), o.row % p.num_kv_heads, o.rank * block_n};
 }
 
 // Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.

@@ -130,11 +130,9 @@ __global__ void __launch_bounds__(kThreads, kBackwardMinBlocks<kHeadDim>)
   float* Rk = warp_R + warp * 128;  // this warp's copy: R of the 64 keys, then of the 64 queries
   float* Rq = Rk + 64;
 
-  const int64_t b = blockIdx.x;
-  const int64_t tile = b % num_tiles;
-  const int64_t hk = (b / num_tiles) % p.num_kv_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_kv_heads));
-  const int64_t j0 = tile * kBlockN;
+  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN);
+  const SequenceView s = kt.s;
+  const int64_t hk = kt.hk, j0 = kt.j0;
   if (j0 >= s.len_k) return;
   const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
   const int64_t anchor = j0 + nk - 1;

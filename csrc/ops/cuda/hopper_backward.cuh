@@ -4,10 +4,11 @@
 // (hopper_forward.cuh) and double-buffered tiles (the walked tiles by TMA where the layout allows
 // it, as in the forward).
 //
-//   dkdv_kernel: one block (two warpgroups) per (sequence, kv head, 128-key tile); each warpgroup
-//     owns 64 keys: S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), then
-//     dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers, dO and Q read transposed), walking
-//     query tiles (kDkdvQueries) upwards from the diagonal for every head of the GQA group.
+//   dkdv_kernel: one block (two warpgroups) per (sequence, kv head, 128-key tile), in the order
+//     of block_key_tile (common.cuh); each warpgroup owns 64 keys: S^T = K Q^T and dP^T = V dO^T
+//     (both operands in shared memory), then dV += P^T dO and dK += dS^T Q (P^T, dS^T from
+//     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
+//     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
 //     S = Q K^T, dP = dO V^T, dQ += dS K, walking key tiles (kDqKeys) downwards; row sums of dS.
@@ -129,11 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
 
-  const int64_t b = blockIdx.x;
-  const int64_t tile = b % num_tiles;  // the first key tiles see the most queries: first
-  const int64_t hk = (b / num_tiles) % p.num_kv_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_kv_heads));
-  const int64_t j0 = tile * kBlockN;
+  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN);
+  const SequenceView s = kt.s;
+  const int64_t hk = kt.hk, j0 = kt.j0, tile = j0 / kBlockN;
   if (j0 >= s.len_k) return;
   const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
   const int64_t offset = s.len_k - s.len_q;  // query i sits at position i + offset
