@@ -436,6 +436,18 @@ def test_tma_and_cp_async_paths_agree(monkeypatch, case):
             assert torch.equal(a, b), (name, threshold, grad_name)
 
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_blocks_in_several_sections():
+    """The tensor-core kernels take their tiles in sections of rows (sequence x head) whose walked
+    tiles fill ~8 MB, the longest walks first inside a section: at D=128 and 2500 positions a
+    section holds 6 of the 10 rows, so the last one is narrower. Every tile must still be computed
+    exactly once (the portable kernels share the order: FOX_DISABLE_HOPPER_KERNELS=1 runs them)."""
+    check_against_reference(*make_inputs(B=2, Tq=2500, H=5, D=128, dtype=torch.bfloat16,
+                                         device="cuda"))
+
+
 # ---- adaptive computation pruning ----------------------------------------------------------------
 
 
