@@ -103,12 +103,14 @@ __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
 // L2 while the section runs; inside a section the tiles of most work come first for every row
 // (rank 0 = the longest walk), so that a section's short walks run beside the next section's long
 // ones and the shortest walks of the last section make the tail. One row per section is the
-// order of (row, tile), tile fastest.
+// order of (row, tile), tile fastest. 8 MB: on an H200 4 MB measured slower and 32 MB gained at
+// one size only (bench/NOTES.md, version 39); 8 MB also leaves room in smaller L2s.
 struct TileOrder {
   int64_t row = 0, rank = 0;
 };
 constexpr int64_t kSectionBytes = 8 << 20;
-__device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes) {
+__device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles,
+                                                      int64_t row_bytes) {
   const int64_t per_section = max64(1, min64(rows, kSectionBytes / max64(row_bytes, 1)));
   const int64_t b = blockIdx.x;
   const int64_t section = b / (per_section * num_tiles), first_row = section * per_section;
@@ -133,7 +135,8 @@ __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, in
     row = blockIdx.x / num_tiles;
     tile = 0;
   } else {
-    const TileOrder o = block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim);
+    const TileOrder o =
+        block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim);
     row = o.row;
     tile = num_tiles - 1 - o.rank;
   }
@@ -154,7 +157,8 @@ struct KeyTile {
   SequenceView s;
   int64_t hk = 0, j0 = 0;  // kv head, first key
 };
-__device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles, int block_n) {
+__device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles,
+                                                  int block_n) {
   const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
                                        4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head());
   return {p.sequence(o.row / p.num_kv_heads), o.row % p.num_kv_heads, o.rank * block_n};
