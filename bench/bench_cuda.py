@@ -2,7 +2,8 @@
 
 Side by side in one run on one GPU: CUDA events after warm-up, median. bf16, causal, half of the
 heads "global" (log f ~ U(-1e-3, 0)) and half "local" (log f ~ -1). Throughput in TFLOP/s with
-causal forward = 2*B*H*N^2*D FLOPs and backward = 2.5x forward.
+causal forward = 2*B*H*N^2*D FLOPs and backward = 2.5x forward. FlexAttention's forward+backward
+computes the gate's gradient too, as ours does (make_flex); the "q,k,v" column leaves it out.
 
     python3 bench/bench_cuda.py            # the table (markdown)
     python3 bench/bench_cuda.py --check    # first a few large fp64-reference checks of the kernels
@@ -65,11 +66,25 @@ def make_flex(B, H, N):
     mask = create_block_mask(causal, B, None, N, N, device="cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
 
-    def run(q, k, v, c):  # q/k/v (B, H, N, D), c (B, H, N) fp32 cumulative log f
+    def run(q, k, v, c_q, c_k):  # q/k/v (B, H, N, D); c_q, c_k (B, H, N) fp32 cumulative log f
+        # Two tensors, not one: FlexAttention computes gradients of a captured tensor only if the
+        # score_mod indexes it once. The gradient of c is then that of c_q plus that of c_k.
         def fox(score, b, h, q_idx, kv_idx):
-            return score + c[b, h, q_idx] - c[b, h, kv_idx]
+            return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
         return compiled(q, k, v, score_mod=fox, block_mask=mask)
     return run
+
+
+def flex_gate_check(flex_grads, ours_dlogf, D, N):
+    """FlexAttention's gate gradient, turned into d log f (a reverse cumulative sum of dc over the
+    positions), against ours: both must be training the same model. Prints the relative gap."""
+    dc = (flex_grads[3] + flex_grads[4]).transpose(1, 2)  # (B, N, H)
+    dlogf = dc.flip(1).cumsum(1).flip(1)
+    gap = (dlogf - ours_dlogf).abs().max() / ours_dlogf.abs().max()
+    print(f"# D={D} N={N}: flex d log f against ours: max |diff| / max |ours| = {gap:.1e}",
+          file=sys.stderr)
+    if not gap < 0.05:
+        raise RuntimeError(f"flex gate gradient disagrees with ours ({gap:.2e})")
 
 
 def bench_prefill(D, H, N, thr=None, with_flex=True):
@@ -91,7 +106,7 @@ def bench_prefill(D, H, N, thr=None, with_flex=True):
 
     def ours_fb():
         out = op(qg, kg, vg, gg, None, None, None, thr)
-        torch.autograd.grad(out, (qg, kg, vg, gg), do)
+        return torch.autograd.grad(out, (qg, kg, vg, gg), do)
 
     row["ours_fwd"] = time_ms(ours_fwd)
     row["ours_fb"] = time_ms(ours_fb)
@@ -112,30 +127,31 @@ def bench_prefill(D, H, N, thr=None, with_flex=True):
         try:
             flex = make_flex(B, H, N)
             c = g.cumsum(1).transpose(1, 2).contiguous()
-            row["flex_fwd"] = time_ms(lambda: flex(qh, kh, vh, c))
+            row["flex_fwd"] = time_ms(lambda: flex(qh, kh, vh, c, c))
             qf, kf, vf = (x.detach().clone().requires_grad_(True) for x in (qh, kh, vh))
-            cf = c.detach().clone().requires_grad_(True)
 
-            def flex_fb():
-                out = flex(qf, kf, vf, cf)
-                torch.autograd.grad(out, (qf, kf, vf, cf), doh)
+            def flex_fb_qkv():  # without the gate's gradient: not a trainable FoX, for reference
+                out = flex(qf, kf, vf, c, c)
+                return torch.autograd.grad(out, (qf, kf, vf), doh)
+            row["flex_fb_qkv"] = time_ms(flex_fb_qkv)
+            cq, ck = (c.clone().requires_grad_(True) for _ in range(2))
+
+            def flex_fb():  # FoX's full backward: q, k, v and the gate
+                out = flex(qf, kf, vf, cq, ck)
+                return torch.autograd.grad(out, (qf, kf, vf, cq, ck), doh)
             try:
+                flex_gate_check(flex_fb(), ours_fb()[3], D, N)
                 row["flex_fb"] = time_ms(flex_fb)
-            except Exception as e:  # captured-buffer gradients unsupported: q, k, v only
-                print(f"# flex bwd with d/dc failed ({type(e).__name__}); timing q,k,v grads only",
+            except Exception as e:
+                print(f"# flex backward with the gate gradient failed: {type(e).__name__}: {e}",
                       file=sys.stderr)
-
-                def flex_fb_qkv():
-                    out = flex(qf, kf, vf, c)
-                    torch.autograd.grad(out, (qf, kf, vf), doh)
-                row["flex_fb"] = time_ms(flex_fb_qkv)
         except Exception as e:
             print(f"# flex failed: {type(e).__name__}: {e}", file=sys.stderr)
     tflops = lambda ms, mult: mult * flops_fwd / (ms * 1e-3) / 1e12
     for key in list(row):
         if key.endswith("_fwd"):
             row[key + "_tf"] = tflops(row[key], 1.0)
-        elif key.endswith("_fb"):
+        elif key.endswith("_fb") or key.endswith("_fb_qkv"):
             row[key + "_tf"] = tflops(row[key], 3.5)
     return row
 
@@ -260,21 +276,24 @@ def main():
         if args.only_check:
             sys.exit(0 if ok else 1)
     sizes = [2048, 16384] if args.quick else [2048, 4096, 8192, 16384]
-    print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b | flex f+b | sdpa f+b | ours/flex fwd | ours/flex f+b | ours+ACP/flex f+b | ours/sdpa fwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b "
+          "| flex f+b | flex f+b q,k,v | sdpa f+b | ours/flex fwd | ours/flex f+b | ours+ACP/flex f+b "
+          "| ours/flex f+b q,k,v | ours/sdpa fwd |")
+    print("|---" * 18 + "|")
     for D, H in ((64, 32), (128, 16)):
         for N in sizes:
             torch.cuda.empty_cache()
             r = bench_prefill(D, H, N, with_flex=not args.no_flex)
             acp = bench_prefill(D, H, N, thr=args.threshold, with_flex=False)
+            r["acp_fb_tf"] = acp["ours_fb_tf"]
             f = lambda key, src=r: f"{src[key]:.0f}" if key in src else "-"
             ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
-            acp_ratio = f"{acp['ours_fb_tf'] / r['flex_fb_tf']:.2f}" if "flex_fb_tf" in r else "-"
             print(f"| {D} | {H} | {N} | {r['B']} | {f('ours_fwd_tf')} | {f('ours_fwd_tf', acp)} | "
-                  f"{f('flex_fwd_tf')} | {f('sdpa_fwd_tf')} | {f('ours_fb_tf')} | {f('ours_fb_tf', acp)} | "
-                  f"{f('flex_fb_tf')} | {f('sdpa_fb_tf')} | {ratio('ours_fwd_tf', 'flex_fwd_tf')} | "
-                  f"{ratio('ours_fb_tf', 'flex_fb_tf')} | {acp_ratio} | {ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |",
-                  flush=True)
+                  f"{f('flex_fwd_tf')} | {f('sdpa_fwd_tf')} | {f('ours_fb_tf')} | {f('acp_fb_tf')} | "
+                  f"{f('flex_fb_tf')} | {f('flex_fb_qkv_tf')} | {f('sdpa_fb_tf')} | "
+                  f"{ratio('ours_fwd_tf', 'flex_fwd_tf')} | {ratio('ours_fb_tf', 'flex_fb_tf')} | "
+                  f"{ratio('acp_fb_tf', 'flex_fb_tf')} | {ratio('ours_fb_tf', 'flex_fb_qkv_tf')} | "
+                  f"{ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |", flush=True)
     print()
     for B, Tk in ((1, 32768), (8, 32768), (1, 131072)):
         d = bench_decode(B=B, Tk=Tk)
