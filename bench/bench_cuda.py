@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import forgetting_transformer  # noqa: F401  (loads torch.ops.fox)
+from flex_fox import fox_score_mod
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
 
@@ -67,11 +68,7 @@ def make_flex(B, H, N):
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def run(q, k, v, c_q, c_k):  # q/k/v (B, H, N, D); c_q, c_k (B, H, N) fp32 cumulative log f
-        # Two tensors, not one: FlexAttention computes gradients of a captured tensor only if the
-        # score_mod indexes it once. The gradient of c is then that of c_q plus that of c_k.
-        def fox(score, b, h, q_idx, kv_idx):
-            return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
-        return compiled(q, k, v, score_mod=fox, block_mask=mask)
+        return compiled(q, k, v, score_mod=fox_score_mod(c_q, c_k), block_mask=mask)
     return run
 
 

@@ -16,6 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.reference import rope, shift  # the same KV-shift and RoPE math
+from flex_fox import fox_score_mod
 
 flex = torch.compile(flex_attention, dynamic=False)
 
@@ -42,15 +43,9 @@ def eager_attention(c, p, prefix, x, block_mask):
     if c.fgate_type == "full":
         logf = F.logsigmoid(F.linear(x, p[prefix + "fgate_proj.weight"], p[prefix + "fgate_proj.bias"]).float())
         # Cumulative log f in (B, H, T), summed along the last dim (ATen's scan over a middle dim is
-        # slow). The score_mod reads two tensors, one per index: FlexAttention differentiates a
-        # captured tensor only where it is indexed once, and the gate must get its gradient.
-        c_q = logf.transpose(1, 2).cumsum(-1)
-        c_k = c_q.clone()
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + c_q[b, h, q_idx] - c_k[b, h, kv_idx]
-
-        o = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        # slow); two tensors, so that the gate gets its gradient (fox_score_mod).
+        c = logf.transpose(1, 2).cumsum(-1)
+        o = flex(q, k, v, score_mod=fox_score_mod(c, c.clone()), block_mask=block_mask)
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     o = o.transpose(1, 2).reshape(B, T, H * D)

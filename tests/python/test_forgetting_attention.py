@@ -436,7 +436,6 @@ def test_tma_and_cp_async_paths_agree(monkeypatch, case):
             assert torch.equal(a, b), (name, threshold, grad_name)
 
 
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 def test_blocks_in_several_sections():
