@@ -44,8 +44,8 @@ def eager_attention(c, p, prefix, x, block_mask):
         logf = F.logsigmoid(F.linear(x, p[prefix + "fgate_proj.weight"], p[prefix + "fgate_proj.bias"]).float())
         # Cumulative log f in (B, H, T), summed along the last dim (ATen's scan over a middle dim is
         # slow); two tensors, so that the gate gets its gradient (fox_score_mod).
-        c = logf.transpose(1, 2).cumsum(-1)
-        o = flex(q, k, v, score_mod=fox_score_mod(c, c.clone()), block_mask=block_mask)
+        cum = logf.transpose(1, 2).cumsum(-1)
+        o = flex(q, k, v, score_mod=fox_score_mod(cum, cum.clone()), block_mask=block_mask)
     else:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     o = o.transpose(1, 2).reshape(B, T, H * D)
