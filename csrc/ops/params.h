@@ -54,6 +54,9 @@ struct ForwardParams {
 
   const int64_t* seq_start = nullptr;   // (batch,) or null
   const int64_t* cu_seqlens = nullptr;  // (batch + 1,) or null
+  // (batch,) or null: number of valid keys of each row (a static KV cache filled to different
+  // lengths); row b's queries are the last seqlen_q of its cache_seqlens[b] keys.
+  const int64_t* cache_seqlens = nullptr;
 
   double scale = 1.0;  // kernels cast it to their accumulation type
   // Adaptive computation pruning: key tiles whose largest possible gate bias d_ij lies below this
@@ -68,7 +71,8 @@ struct ForwardParams {
       const int64_t begin = cu_seqlens[s], len = cu_seqlens[s + 1] - begin;
       return {0, begin, begin, len, len, 0};
     }
-    return {s, 0, 0, seqlen_q, seqlen_k, seq_start != nullptr ? seq_start[s] : 0};
+    return {s, 0, 0, seqlen_q, cache_seqlens != nullptr ? cache_seqlens[s] : seqlen_k,
+            seq_start != nullptr ? seq_start[s] : 0};
   }
 };
 

@@ -65,6 +65,17 @@ template <typename T, int kHeadDim>
 void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream);
 
+// Decoding (seqlen_q <= 16, no cu_seqlens) for head_dim 64 and 128, fp16/bf16: the query heads of a
+// KV group packed into one tile, the cache split into num_splits chunks per row (decode.cuh). With
+// num_splits > 1 the workspaces are (num_splits, num_heads, batch * seqlen_q, head_dim),
+// (num_splits, num_heads, batch * seqlen_q) and (num_splits, batch, num_heads) float32.
+constexpr int kDecodeMaxSplits = 256;
+template <typename T, int kHeadDim>
+int decode_blocks_per_sm();
+template <typename T, int kHeadDim>
+void run_decode_forward(const ForwardParams& p, int num_splits, float* out_partial,
+                        float* lse_partial, float* gate_total, cudaStream_t stream);
+
 // Tensor-core backward for head_dim 64 and 128, fp16/bf16.
 template <typename T, int kHeadDim>
 void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_q,

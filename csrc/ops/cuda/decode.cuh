@@ -1,0 +1,506 @@
+// Decoding kernel: a few queries (seqlen_q <= 16) against a long KV cache, fp16/bf16, head dim
+// 64/128, on mma.sync m16n8k16 (sm_80+; memory-bound, so Hopper runs it too).
+//
+// Decoding is bound by the bytes of the cache. A block owns one KV head of one sequence and packs
+// the query heads of that KV head's group times the queries into the 16 rows of one MMA tile
+// (row r -> head r / seqlen_q, query r % seqlen_q), so K and V are read once per group, not once
+// per query head. The cache is split over blocks (split-KV) to fill the GPU; each row's own key
+// range [seq_start, cache_seqlens) is cut into the same number of chunks, so rows of different
+// lengths do work in proportion to their length.
+//
+// Key tiles of 64 are streamed through a cp.async ring of kStages stages (K, V and the gates of the
+// group's heads); each of the 4 warps takes 16 keys of a tile and keeps its own online softmax,
+// and the warps are merged at the end.
+//
+// The gate bias. Every chunk walks its keys downwards from its own top position `top`, summing log
+// f inside each tile and carrying whole-tile sums: R_j = sum_{l=j+1..top} log f_l (error grows with
+// the distance from top, never with the absolute position). The bias of query i (position P_i)
+// and key j is d_ij = R_j + carry + rq_i with carry = sum_{l=top+1..P_last} log f_l (the gates of
+// the chunks above, added exactly by the combine kernel as a shift of the chunk's log-sum-exp) and
+// rq_i = -sum_{l=P_i+1..P_last} log f_l (at most 15 terms; every block computes it).
+#pragma once
+
+#include "common.cuh"
+#include "launch.h"
+#include "mma.cuh"
+
+namespace fox::cuda::decode {
+
+constexpr int kRows = 16;   // rows of the packed query tile (one MMA m-tile)
+constexpr int kKeys = 64;   // keys per tile: 16 for each of the 4 warps
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxSplits = kDecodeMaxSplits;  // the combine keeps a weight per chunk in shared memory
+
+// Stages of the cp.async ring: bytes in flight per SM against shared memory per block (the
+// shared memory sets how many blocks fit on an SM). FOX_DECODE_STAGES_64/128 override them.
+#ifndef FOX_DECODE_STAGES_64
+#define FOX_DECODE_STAGES_64 3
+#endif
+#ifndef FOX_DECODE_STAGES_128
+#define FOX_DECODE_STAGES_128 2
+#endif
+template <int kHeadDim>
+constexpr int kStages = kHeadDim <= 64 ? FOX_DECODE_STAGES_64 : FOX_DECODE_STAGES_128;
+
+template <int kHeadDim>
+struct Smem {
+  static constexpr int kTileElems = kKeys * kHeadDim;  // one K or V tile, 2-byte elements
+  static constexpr int kQ = 0;                          // Q tile (16 rows)
+  static constexpr int kKV = kRows * kHeadDim;          // stage s: K at kKV + 2s tiles, V after it
+  static constexpr int kElems = kKV + 2 * kStages<kHeadDim> * kTileElems;
+  static constexpr size_t kGateOffset = sizeof(uint16_t) * kElems;  // float gates[stage][row][key]
+  static constexpr size_t kROffset = kGateOffset + sizeof(float) * kStages<kHeadDim> * kRows * kKeys;
+  static constexpr size_t kRqOffset = kROffset + sizeof(float) * kRows * kKeys;
+  static constexpr size_t kBytes = kRqOffset + sizeof(float) * kRows;
+  // The merge of the 4 warps reuses the K/V stages: O (4 x 16 x D) and 2 x 4 x 16 statistics.
+  static_assert(sizeof(float) * (kWarps * kRows * kHeadDim + 2 * kWarps * kRows) <=
+                    sizeof(uint16_t) * 2 * kStages<kHeadDim> * kTileElems,
+                "merge buffers must fit in the K/V stages");
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// The block's sequence, KV head, row tile and chunk of the cache.
+struct DecodeTile {
+  SequenceView s;
+  int64_t kv_head = 0;
+  int row0 = 0;        // first packed row (head-in-group * seqlen_q + query) of the tile
+  int rows = 0;        // live rows of the tile
+  int first_head = 0;  // head-in-group of row 0 of the tile; the tile spans heads first_head..+nh
+  int nh = 0;
+  int64_t tile_lo = 0, tile_hi = -1;  // key tiles [tile_lo, tile_hi] of this chunk
+  int64_t top = -1;                   // last key of the chunk
+};
+
+__device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits) {
+  DecodeTile t;
+  const int64_t group = p.heads_per_kv_head();
+  const int64_t tq = p.seqlen_q;
+  const int64_t seq = blockIdx.z / p.num_kv_heads;
+  t.kv_head = blockIdx.z % p.num_kv_heads;
+  t.s = p.sequence(seq);
+  t.row0 = blockIdx.x * kRows;
+  t.rows = static_cast<int>(min64(kRows, group * tq - t.row0));
+  t.first_head = static_cast<int>(t.row0 / tq);
+  t.nh = static_cast<int>((t.row0 + t.rows - 1) / tq) - t.first_head + 1;
+  // This row's key tiles, cut into num_splits chunks.
+  const int64_t first_key = max64(0, t.s.first_key), len = t.s.len_k;
+  if (first_key >= len) return t;
+  const int64_t lo = first_key / kKeys, hi = (len - 1) / kKeys;
+  const int64_t per_split = (hi - lo + num_splits) / num_splits;
+  const int64_t split = blockIdx.y;
+  t.tile_lo = lo + split * per_split;
+  t.tile_hi = min64(hi, t.tile_lo + per_split - 1);
+  t.top = min64(len - 1, (t.tile_hi + 1) * kKeys - 1);
+  return t;
+}
+
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* v, int64_t k_row,
+                                             int64_t v_row, int64_t j0, int64_t len) {
+  constexpr int kChunks = kHeadDim / 8;
+#pragma unroll
+  for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool valid = j0 + row < len;
+    const int64_t j = valid ? j0 + row : 0;
+    cp_async_16(Ks + swizzled<kHeadDim>(row, chunk), k + j * k_row + chunk * 8, valid);
+    cp_async_16(Vs + swizzled<kHeadDim>(row, chunk), v + j * v_row + chunk * 8, valid);
+  }
+}
+
+// Gates of the tile's heads for keys j0..j0+63 (zero past the end of the row).
+__device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_t g_row,
+                                               int64_t g_head, int nh, int64_t j0, int64_t len) {
+  for (int idx = threadIdx.x; idx < nh * kKeys; idx += kThreads) {
+    const int slot = idx / kKeys, key = idx % kKeys;
+    const bool valid = j0 + key < len;
+    const int64_t j = valid ? j0 + key : 0;
+    cp_async_4(Gs + slot * kKeys + key, g + j * g_row + slot * g_head, valid);
+  }
+}
+
+// out_partial/lse_partial (split, num_heads, batch * seqlen_q [, D]) and gate_total (split, batch,
+// num_heads) are only written when num_splits > 1; otherwise the block writes out and lse.
+struct DecodeSplit {
+  int num_splits = 1;
+  float* out_partial = nullptr;
+  float* lse_partial = nullptr;  // log2 domain, without the carry of the chunks above
+  float* gate_total = nullptr;   // sum of log f over the chunk's tiles, per head
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    decode_kernel(const ForwardParams p, const DecodeSplit split) {
+  using L = Smem<kHeadDim>;
+  using Mma = MmaTraits<T>;
+  constexpr int kS = kStages<kHeadDim>;
+  constexpr int kDimTiles = kHeadDim / 8;
+  constexpr int kDimSteps = kHeadDim / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw) + L::kQ;
+  T* KV = reinterpret_cast<T*>(smem_raw) + L::kKV;
+  float* Gs = reinterpret_cast<float*>(smem_raw + L::kGateOffset);
+  float* Rs = reinterpret_cast<float*>(smem_raw + L::kROffset);   // [head slot][key], log2 units
+  float* Rq = reinterpret_cast<float*>(smem_raw + L::kRqOffset);  // [row], log2 units
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group_id = lane >> 2, quad = lane & 3;
+  const DecodeTile t = decode_tile(p, split.num_splits);
+  const SequenceView& s = t.s;
+  const int64_t tq = p.seqlen_q;
+  const int64_t group = p.heads_per_kv_head();
+  const int64_t head0 = t.kv_head * group + t.first_head;  // query head of head slot 0
+  const int64_t p_last = s.len_k - 1;                       // position of the last query
+
+  const T* kbase = static_cast<const T*>(p.k) + s.batch_index * p.k_batch_stride +
+                   t.kv_head * p.k_head_stride;
+  const T* vbase = static_cast<const T*>(p.v) + s.batch_index * p.v_batch_stride +
+                   t.kv_head * p.v_head_stride;
+  const float* gbase = static_cast<const float*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
+                       head0 * p.g_head_stride;
+
+  // Q rows (zero past the live rows) and rq of each row.
+  {
+    constexpr int kChunks = kHeadDim / 8;
+    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, chunk = idx % kChunks;
+      const bool valid = r < t.rows;
+      const int64_t packed = t.row0 + (valid ? r : 0);
+      const int64_t h = t.kv_head * group + packed / tq, i = packed % tq;
+      const T* src = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride +
+                     i * p.q_row_stride + h * p.q_head_stride + chunk * 8;
+      cp_async_16(Qs + swizzled<kHeadDim>(r, chunk), src, valid);
+    }
+    if (threadIdx.x < kRows) {
+      const int r = threadIdx.x;
+      float rq = 0.f;
+      if (r < t.rows) {
+        const int64_t packed = t.row0 + r;
+        const int64_t slot = packed / tq - t.first_head, i = packed % tq;
+        for (int64_t l = p_last; l > s.query_position(i); --l)
+          rq -= gbase[l * p.g_row_stride + slot * p.g_head_stride];
+      }
+      Rq[r] = rq * kLog2e;
+    }
+  }
+  // Prologue of the ring: the chunk's top kS - 1 tiles (walked downwards).
+  const int64_t num_tiles = t.tile_hi - t.tile_lo + 1;
+  auto issue = [&](int64_t it) {
+    if (it < num_tiles) {
+      const int stage = static_cast<int>(it % kS);
+      const int64_t j0 = (t.tile_hi - it) * kKeys;
+      load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
+                                kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
+      load_gate_tile(Gs + stage * kRows * kKeys, gbase, p.g_row_stride, p.g_head_stride, t.nh, j0,
+                     s.len_k);
+    }
+    cp_async_commit();  // (empty groups keep the wait counts uniform)
+  };
+#pragma unroll
+  for (int it = 0; it < kS - 1; ++it) issue(it);
+
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int n = 0; n < kDimTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  // Per head slot (slots warp, warp + 4, ...): sum of the gates of the tiles walked so far, i.e.
+  // R at the top of the current tile.
+  float carry_slots[kRows / kWarps];
+#pragma unroll
+  for (int c = 0; c < kRows / kWarps; ++c) carry_slots[c] = 0.f;
+  uint32_t q_frag[kDimSteps][4];
+  float rq[2];
+  int slot_of[2];
+  int64_t pos_of[2];
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int r = group_id + 8 * hi;
+    const int64_t packed = t.row0 + min(r, max(t.rows - 1, 0));
+    slot_of[hi] = static_cast<int>(packed / tq) - t.first_head;
+    pos_of[hi] = r < t.rows ? s.query_position(packed % tq) : -1;  // dead rows see no key
+  }
+
+  for (int64_t it = 0; it < num_tiles; ++it) {
+    cp_async_wait<kS - 2>();
+    __syncthreads();  // stage `it` landed for everyone; every warp is done with tile it - 1
+    if (it == 0) {
+#pragma unroll
+      for (int ks = 0; ks < kDimSteps; ++ks)
+        ldmatrix_x4(q_frag[ks], Qs + swizzled<kHeadDim>(lane & 15, ks * 2 + (lane >> 4)));
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) rq[hi] = Rq[group_id + 8 * hi];
+    }
+    issue(it + kS - 1);
+    const int stage = static_cast<int>(it % kS);
+    const int64_t j0 = (t.tile_hi - it) * kKeys;
+    // R of the tile's 64 keys for each head slot: one warp per slot, two keys per lane.
+    const float* G = Gs + stage * kRows * kKeys;
+#pragma unroll
+    for (int c = 0; c < kRows / kWarps; ++c) {
+      const int slot = warp + kWarps * c;
+      if (slot >= t.nh) break;
+      const float2 x = *reinterpret_cast<const float2*>(G + slot * kKeys + 2 * lane);
+      const float incl = warp_inclusive_suffix_scan(x.x + x.y, lane);
+      const float above = __shfl_down_sync(0xffffffffu, incl, 1);
+      const float excl = lane < 31 ? above : 0.f;  // gates of the keys after 2 * lane + 1
+      const float r_odd = carry_slots[c] + excl, r_even = carry_slots[c] + (excl + x.y);
+      *reinterpret_cast<float2*>(Rs + slot * kKeys + 2 * lane) =
+          make_float2(r_even * kLog2e, r_odd * kLog2e);
+      carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
+    }
+    __syncthreads();
+
+    const T* Ks = KV + 2 * stage * L::kTileElems;
+    const T* Vs = Ks + L::kTileElems;
+    const int key_base = 16 * warp;  // this warp's 16 keys of the tile
+    // S = Q K^T: 16 rows x 16 keys (two n-tiles).
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < kDimSteps; ++ks) {
+      uint32_t kf[4];
+      const int key = key_base + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(kf, Ks + swizzled<kHeadDim>(key, ks * 2 + ((lane >> 3) & 1)));
+      Mma::mma(sc[0], q_frag[ks], kf[0], kf[1]);
+      Mma::mma(sc[1], q_frag[ks], kf[2], kf[3]);
+    }
+    // Bias, mask and online softmax (log2 domain).
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hi = e >> 1;
+        const int col = key_base + n * 8 + quad * 2 + (e & 1);
+        const int64_t j = j0 + col;
+        float x = fmaf(sc[n][e], scale_log2, rq[hi] + Rs[slot_of[hi] * kKeys + col]);
+        if (j > pos_of[hi] || j < s.first_key) x = -INFINITY;
+        sc[n][e] = x;
+        tile_max[hi] = fmaxf(tile_max[hi], x);
+      }
+    }
+    float correction[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      float m = tile_max[hi];
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float new_max = fmaxf(row_max[hi], m);
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      correction[hi] = exp2f(row_max[hi] - base);
+      row_max[hi] = new_max;
+      tile_max[hi] = base;
+    }
+    uint32_t p_frag[4];
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const float p0 = exp2f(sc[n][0] - tile_max[0]), p1 = exp2f(sc[n][1] - tile_max[0]);
+      const float p2 = exp2f(sc[n][2] - tile_max[1]), p3 = exp2f(sc[n][3] - tile_max[1]);
+      tile_sum[0] += p0 + p1;
+      tile_sum[1] += p2 + p3;
+      p_frag[n * 2 + 0] = Mma::pack(p0, p1);
+      p_frag[n * 2 + 1] = Mma::pack(p2, p3);
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      o[n][0] *= correction[0];
+      o[n][1] *= correction[0];
+      o[n][2] *= correction[1];
+      o[n][3] *= correction[1];
+    }
+    // O += P V over this warp's 16 keys.
+#pragma unroll
+    for (int n2 = 0; n2 < kDimTiles / 2; ++n2) {
+      uint32_t vf[4];
+      const int key = key_base + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(vf, Vs + swizzled<kHeadDim>(key, n2 * 2 + (lane >> 4)));
+      Mma::mma(o[2 * n2], p_frag, vf[0], vf[1]);
+      Mma::mma(o[2 * n2 + 1], p_frag, vf[2], vf[3]);
+    }
+  }
+  cp_async_wait<0>();
+  if (split.num_splits > 1 && lane == 0) {
+    // The chunk's gate total per head (what the combine kernel carries to the chunks below). Two
+    // row tiles may share a head: they write the same value.
+#pragma unroll
+    for (int c = 0; c < kRows / kWarps; ++c) {
+      const int slot = warp + kWarps * c;
+      if (slot < t.nh)
+        split.gate_total[(blockIdx.y * p.batch + s.batch_index) * p.num_heads + head0 + slot] =
+            carry_slots[c];
+    }
+  }
+  __syncthreads();  // the stages are free: they hold the merge buffers from here on
+
+  // Merge the 4 warps: per row the max of the warps' maxima, then the rescaled sums.
+  float* Om = reinterpret_cast<float*>(KV);            // [warp][row][D]
+  float* Mm = Om + kWarps * kRows * kHeadDim;          // [warp][row]
+  float* Sm = Mm + kWarps * kRows;                     // [warp][row]
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+    const int r = group_id + 8 * hi;
+    if (quad == 0) {
+      Mm[warp * kRows + r] = row_max[hi];
+      Sm[warp * kRows + r] = row_sum[hi];
+    }
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n)
+      *reinterpret_cast<float2*>(Om + (warp * kRows + r) * kHeadDim + n * 8 + quad * 2) =
+          make_float2(o[n][2 * hi], o[n][2 * hi + 1]);
+  }
+  __syncthreads();
+  // Thread layout of the epilogue: 8 threads per row, each a contiguous slice of D.
+  constexpr int kPerThread = kHeadDim / 8;
+  const int r = threadIdx.x / 8, slice = (threadIdx.x % 8) * kPerThread;
+  if (r >= t.rows) return;
+  float m = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, Mm[w * kRows + r]);
+  const float base = m == -INFINITY ? 0.f : m;
+  float scale_w[kWarps], total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    scale_w[w] = exp2f(Mm[w * kRows + r] - base);
+    total += Sm[w * kRows + r] * scale_w[w];
+  }
+  const bool empty = total == 0.f;
+  const float inv = empty ? 0.f : 1.f / total;
+  const float lse2 = empty ? -INFINITY : base + log2f(total);
+  const int64_t packed = t.row0 + r;
+  const int64_t h = t.kv_head * group + packed / tq, i = packed % tq;
+  float acc[kPerThread];
+#pragma unroll
+  for (int d = 0; d < kPerThread; ++d) {
+    float x = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) x += Om[(w * kRows + r) * kHeadDim + slice + d] * scale_w[w];
+    acc[d] = x * inv;
+  }
+  const int64_t row = s.batch_index * tq + i;  // (batch, query) row of the lse layout
+  if (split.num_splits > 1) {
+    const int64_t total_rows = p.batch * tq;
+    const int64_t slot = (blockIdx.y * p.num_heads + h) * total_rows + row;
+    float* out = split.out_partial + slot * kHeadDim + slice;
+#pragma unroll
+    for (int d = 0; d < kPerThread; d += 4)
+      *reinterpret_cast<float4*>(out + d) = make_float4(acc[d], acc[d + 1], acc[d + 2], acc[d + 3]);
+    if (slice == 0) split.lse_partial[slot] = lse2;
+    return;
+  }
+  T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + i * p.o_row_stride +
+           h * p.o_head_stride + slice;
+#pragma unroll
+  for (int d = 0; d < kPerThread; d += 2)
+    *reinterpret_cast<uint32_t*>(out + d) = Mma::pack(acc[d], acc[d + 1]);
+  if (slice == 0) static_cast<float*>(p.lse)[(s.batch_index * p.num_heads + h) * tq + i] = lse2 * kLn2;
+}
+
+// Merges the chunks: one warp per (batch * query row, head). The log-sum-exp of chunk c is
+// shifted by the gates of the chunks above it (carry_c = sum of gate_total over c' > c, summed
+// from the top in a fixed order), then the chunks are weighted as in any split-KV merge.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(128)
+    decode_combine_kernel(const ForwardParams p, const DecodeSplit split) {
+  __shared__ float weight[4][kMaxSplits];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t total_rows = p.batch * p.seqlen_q;
+  const int64_t item = blockIdx.x * 4 + warp;
+  if (item >= total_rows * p.num_heads) return;
+  const int64_t row = item / p.num_heads, h = item % p.num_heads;
+  const int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
+  const int S = split.num_splits;
+  float* w = weight[warp];
+  // Shifted lse of every chunk, 32 chunks at a time from the top.
+  float carry = 0.f, m = -INFINITY;
+  for (int c0 = ((S - 1) / 32) * 32; c0 >= 0; c0 -= 32) {
+    const int c = c0 + lane;
+    const float gt = c < S ? split.gate_total[(static_cast<int64_t>(c) * p.batch + b) * p.num_heads + h] : 0.f;
+    const float incl = warp_inclusive_suffix_scan(gt, lane);
+    const float above = __shfl_down_sync(0xffffffffu, incl, 1);
+    const float shift = carry + (lane < 31 ? above : 0.f);
+    if (c < S) {
+      const float lse = split.lse_partial[(static_cast<int64_t>(c) * p.num_heads + h) * total_rows + row];
+      w[c] = lse + shift * kLog2e;
+      m = fmaxf(m, w[c]);
+    }
+    carry += __shfl_sync(0xffffffffu, incl, 0);
+  }
+  m = warp_max(m);
+  const float base = m == -INFINITY ? 0.f : m;
+  float sum = 0.f;
+  for (int c = lane; c < S; c += 32) {
+    w[c] = exp2f(w[c] - base);
+    sum += w[c];
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  constexpr int kPerLane = kHeadDim / 32;
+  float acc[kPerLane] = {};
+  for (int c = 0; c < S; ++c) {
+    const float wc = w[c];
+    if (wc == 0.f) continue;
+    const float* src = split.out_partial +
+                       ((static_cast<int64_t>(c) * p.num_heads + h) * total_rows + row) * kHeadDim;
+#pragma unroll
+    for (int d = 0; d < kPerLane; ++d) acc[d] += wc * src[lane + 32 * d];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int d = 0; d < kPerLane; ++d) out[lane + 32 * d] = from_float<T>(acc[d] * inv);
+  if (lane == 0)
+    static_cast<float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + i] =
+        sum > 0.f ? (base + log2f(sum)) * kLn2 : -INFINITY;
+}
+
+}  // namespace fox::cuda::decode
+
+namespace fox::cuda {
+
+// Resident blocks per SM (the split planner fills the GPU with one wave of them).
+template <typename T, int kHeadDim>
+int decode_blocks_per_sm() {
+  using namespace decode;
+  constexpr size_t smem = Smem<kHeadDim>::kBytes;
+  auto kernel = decode_kernel<T, kHeadDim>;
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess)
+    return 1;
+  return blocks > 0 ? blocks : 1;
+}
+
+template <typename T, int kHeadDim>
+void run_decode_forward(const ForwardParams& p, int num_splits, float* out_partial,
+                        float* lse_partial, float* gate_total, cudaStream_t stream) {
+  using namespace decode;
+  const int64_t group = p.heads_per_kv_head();
+  const dim3 grid(static_cast<unsigned>((group * p.seqlen_q + kRows - 1) / kRows),
+                  static_cast<unsigned>(num_splits), static_cast<unsigned>(p.batch * p.num_kv_heads));
+  if (grid.x == 0 || grid.z == 0) return;
+  DecodeSplit split{num_splits, out_partial, lse_partial, gate_total};
+  constexpr size_t smem = Smem<kHeadDim>::kBytes;
+  auto kernel = decode_kernel<T, kHeadDim>;
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  kernel<<<grid, kThreads, smem, stream>>>(p, split);
+  if (num_splits > 1) {
+    const int64_t items = p.batch * p.seqlen_q * p.num_heads;
+    decode_combine_kernel<T, kHeadDim>
+        <<<static_cast<unsigned>((items + 3) / 4), 128, 0, stream>>>(p, split);
+  }
+}
+
+}  // namespace fox::cuda

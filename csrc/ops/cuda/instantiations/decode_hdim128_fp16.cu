@@ -1,0 +1,8 @@
+// Decoding kernel, head dim 128, __half.
+#include "../decode.cuh"
+
+namespace fox::cuda {
+template int decode_blocks_per_sm<__half, 128>();
+template void run_decode_forward<__half, 128>(const ForwardParams&, int, float*, float*, float*,
+                                          cudaStream_t);
+}  // namespace fox::cuda
