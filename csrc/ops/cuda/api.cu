@@ -1,8 +1,10 @@
 // CUDA backend of the fox ops: the only CUDA file that touches ATen. It checks arguments (through
 // the shared checks of forgetting_attention.cpp), allocates outputs and workspaces, fills the POD
-// params and picks a kernel: split-KV decoding, the tensor-core kernels (head dim 64/128,
+// params and picks a kernel: the decoding kernel (seqlen_q <= 16), split-KV decoding on the
+// prefill kernels, the tensor-core kernels (head dim 64/128,
 // fp16/bf16: the Hopper ones on sm_90a, the portable mma.sync ones elsewhere) or the generic
 // kernels (any head dim, fp16/bf16/fp32).
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -65,6 +67,33 @@ bool hopper_kernels_enabled() {
   return enabled;
 }
 
+// FOX_DISABLE_DECODE_KERNEL=1 sends decoding to the prefill kernels' split-KV path (comparisons).
+bool decode_kernel_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FOX_DISABLE_DECODE_KERNEL");
+    return v == nullptr || std::string(v) == "0" || std::string(v).empty();
+  }();
+  return enabled;
+}
+
+// Chunks of the decoding kernel per row: one wave of resident blocks over the GPU, at least two
+// 64-key tiles per chunk. A function of the shapes and the device only (never of the lengths in
+// device memory), so a captured CUDA graph replays the same plan. FOX_DECODE_SPLITS overrides it.
+int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
+  static const int override_splits = [] {
+    const char* v = std::getenv("FOX_DECODE_SPLITS");
+    return v ? std::atoi(v) : 0;
+  }();
+  const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
+  const int64_t base = p.batch * p.num_kv_heads * row_tiles;
+  const int64_t key_tiles = (p.seqlen_k + 63) / 64;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t splits = override_splits > 0 ? override_splits
+                                       : std::max<int64_t>(1, blocks_per_sm * sms / base);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, key_tiles / 2));
+  return static_cast<int>(std::clamp<int64_t>(splits, 1, kDecodeMaxSplits));
+}
+
 // Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.
 // blocks_per_sm: how many split blocks per SM the plan aims at (the kernel's occupancy and the
 // latency it needs hidden); FOX_SPLIT_BLOCKS_PER_SM overrides it (for tuning).
@@ -125,6 +154,28 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                             rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(out);
   const bool hopper = tensor_cores && hopper_kernels_enabled() && hopper_kernels_available();
   auto f32 = q.options().dtype(at::kFloat);
+  if (tensor_cores && p.seqlen_q <= 16 && !idx.cu_seqlens.has_value() && decode_kernel_enabled()) {
+    FOX_ELEMENT_SWITCH(type, T, [&] {
+      if constexpr (!std::is_same_v<T, float>) {
+        FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
+          static const int blocks_per_sm = decode_blocks_per_sm<T, kHeadDim>();
+          const int splits = plan_decode_splits(p, blocks_per_sm);
+          at::Tensor out_partial, lse_partial, gate_total;
+          if (splits > 1) {
+            const int64_t rows = p.batch * p.seqlen_q;
+            out_partial = at::empty({splits, p.num_heads, rows, p.head_dim}, f32);
+            lse_partial = at::empty({splits, p.num_heads, rows}, f32);
+            gate_total = at::empty({splits, p.batch, p.num_heads}, f32);
+          }
+          auto ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+          run_decode_forward<T, kHeadDim>(p, splits, ptr(out_partial), ptr(lse_partial),
+                                          ptr(gate_total), stream);
+        });
+      }
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+  }
   // T of the Hopper kernels: per key-tile suffix sums of the gates (hopper_forward.cuh)
   auto gate_suffix = [&] { return at::empty({k.size(0), p.num_heads, k.size(1)}, f32); };
   // One Hopper block per SM (its shared memory): one wave of split blocks measured fastest.

@@ -1,0 +1,152 @@
+"""The decoding path of the op on CUDA (seqlen_q <= 16, fp16/bf16, head dim 64/128: decode.cuh):
+the query heads of a KV group packed into one tile, the cache split into chunks whose gate sums
+the combine kernel carries, per-row cache lengths (cache_seqlens) and left padding (seq_start).
+
+Every case is compared with the float64 formula by the 2x rule (reference.py); rows of a batch
+with different lengths are compared with the formula on each row's own keys.
+"""
+import pytest
+import torch
+
+from conftest import HAS_CUDA, make_inputs
+from reference import forward_backward, naive_attention, rule_violations
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
+
+fwd = torch.ops.fox.forgetting_attention_fwd
+op = torch.ops.fox.forgetting_attention
+
+
+def reference_rows(q, k, v, g, *, seq_start=None, cache_seqlens=None, dtype=torch.float64):
+    """The formula row by row: row b sees keys [0, cache_seqlens[b]) (all when None)."""
+    outs = []
+    for b in range(q.shape[0]):
+        n = k.shape[1] if cache_seqlens is None else int(cache_seqlens[b])
+        start = None if seq_start is None else seq_start[b:b + 1]
+        outs.append(naive_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n],
+                                    seq_start=start, dtype=dtype))
+    return torch.cat(outs)
+
+
+def check_forward(q, k, v, g, *, seq_start=None, cache_seqlens=None):
+    out, lse = fwd(q, k, v, g, seq_start, None, None, None, cache_seqlens)
+    ref = reference_rows(q.double(), k.double(), v.double(), g.double(), seq_start=seq_start,
+                         cache_seqlens=cache_seqlens)
+    naive = reference_rows(q, k, v, g, seq_start=seq_start, cache_seqlens=cache_seqlens,
+                           dtype=q.dtype)
+    problems = rule_violations(["out"], [out], [ref], [naive], q.dtype)
+    assert not problems, f"q {tuple(q.shape)} k {tuple(k.shape)}: " + "; ".join(problems)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (32, 1), (6, 2)])
+@pytest.mark.parametrize("Tq", [1, 3, 16])
+def test_packed_heads(dtype, D, H, Hkv, Tq):
+    # 32 query heads of one KV head (MQA) with 16 queries: 512 packed rows in 32 row tiles.
+    for Tk in (Tq, 100, 3000):
+        q, k, v, g = make_inputs(2, Tq, Tk, H, Hkv, D, dtype=dtype, device="cuda",
+                                 regime="mixed")
+        check_forward(q, k, v, g)
+
+
+@pytest.mark.parametrize("regime", ["zero", "tiny", "normal", "strong", "mixed"])
+def test_gate_regimes(regime):
+    q, k, v, g = make_inputs(1, 1, 20000, 16, 4, 128, dtype=torch.bfloat16, device="cuda",
+                             regime=regime)
+    check_forward(q, k, v, g)
+
+
+def test_many_chunks_long_cache():
+    # One sequence, one KV head: the planner cuts 200k keys into as many chunks as it allows; the
+    # bias of nearby keys must survive the carry over all of them (mixed: fast-forgetting heads).
+    q, k, v, g = make_inputs(1, 2, 200_000, 8, 1, 64, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    check_forward(q, k, v, g)
+
+
+@pytest.mark.parametrize("Tq", [1, 4, 16])
+def test_cache_seqlens_and_seq_start(Tq):
+    B, Tk = 6, 5000
+    q, k, v, g = make_inputs(B, Tq, Tk, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    lengths = torch.tensor([Tk, Tq, 17, 64, 1000, 4097], device="cuda")
+    starts = torch.tensor([0, 0, 3, 63, 900, 4096 - Tq], device="cuda")
+    check_forward(q, k, v, g, cache_seqlens=lengths)
+    check_forward(q, k, v, g, cache_seqlens=lengths, seq_start=starts)
+    # Keys past a row's length do not matter: garbage there changes nothing, bit for bit.
+    out, _ = fwd(q, k, v, g, starts, None, None, None, lengths)
+    k2, v2, g2 = k.clone(), v.clone(), g.clone()
+    for b, n in enumerate(lengths.tolist()):
+        k2[b, n:] = 1e4
+        v2[b, n:] = float("nan")
+        g2[b, n:] = -1e4
+    out2, _ = fwd(q, k2, v2, g2, starts, None, None, None, lengths)
+    assert torch.equal(out, out2)
+
+
+def test_rows_inside_the_padding_are_zero():
+    q, k, v, g = make_inputs(2, 4, 300, 4, 2, 64, dtype=torch.float16, device="cuda")
+    starts = torch.tensor([298, 0], device="cuda")  # row 0: queries 296, 297 see no key
+    out, lse = check_forward(q, k, v, g, seq_start=starts)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    assert torch.isinf(lse[0, :, :2]).all()
+
+
+def test_lse_feeds_the_backward():
+    # The decode forward's lse is what the backward kernels use: gradients by the 2x rule.
+    dtype = torch.bfloat16
+    q, k, v, g = make_inputs(2, 3, 4000, 8, 2, 64, dtype=dtype, device="cuda", regime="mixed")
+    grad_out = torch.randn(q.shape, device="cuda")
+    inputs = (q, k, v, g)
+    out, grads = forward_backward(lambda *x: op(*x), inputs, grad_out.to(dtype))
+    ref, ref_grads = forward_backward(lambda *x: naive_attention(*x), [x.double() for x in inputs],
+                                      grad_out.double())
+    naive, naive_grads = forward_backward(lambda *x: naive_attention(*x, dtype=dtype), inputs,
+                                          grad_out.to(dtype))
+    names = ("out", "dq", "dk", "dv", "dlog_fgate")
+    problems = rule_violations(names, [out] + grads, [ref] + ref_grads, [naive] + naive_grads,
+                               dtype)
+    assert not problems, "; ".join(problems)
+
+
+def test_strided_inputs_and_head_first():
+    # q, k, v as slices of fused projections (row strides > H * D), gates head-first.
+    B, Tk, H, Hkv, D = 3, 2500, 8, 4, 64
+    qkv = torch.randn(B, Tk, H + 2 * Hkv, D, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, -1:, :H]
+    k, v = qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+    g = make_inputs(B, 1, Tk, H, Hkv, D, device="cuda", regime="mixed")[3]
+    g_head_first = g.transpose(1, 2).contiguous().transpose(1, 2)  # (B, Tk, H), strided
+    out_strided = check_forward(q, k, v, g_head_first)[0]
+    out_contig = fwd(q.contiguous(), k.contiguous(), v.contiguous(), g)[0]
+    assert torch.equal(out_strided, out_contig)
+
+
+def test_deterministic():
+    q, k, v, g = make_inputs(1, 1, 50_000, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    a = fwd(q, k, v, g)
+    b = fwd(q, k, v, g)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    # A captured decode step reads cache_seqlens from device memory: a replay after the lengths
+    # changed in place equals an eager call with the new lengths, bit for bit.
+    B, Tk, H, Hkv, D = 4, 8192, 16, 4, 128
+    q, k, v, g = make_inputs(B, 1, Tk, H, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    lengths = torch.tensor([100, 2000, 8192, 5], device="cuda")
+    fwd(q, k, v, g, None, None, None, None, lengths)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            out, lse = fwd(q, k, v, g, None, None, None, None, lengths)
+    torch.cuda.current_stream().wait_stream(stream)
+    for new in ([101, 2001, 8000, 6], [8192, 1, 4096, 3000]):
+        lengths.copy_(torch.tensor(new))
+        graph.replay()
+        eager = fwd(q, k, v, g, None, None, None, None, lengths)
+        assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
