@@ -8,6 +8,8 @@ with different lengths are compared with the formula on each row's own keys.
 import pytest
 import torch
 
+import forgetting_transformer  # noqa: F401  (loads the ops)
+
 from conftest import HAS_CUDA, make_inputs
 from reference import forward_backward, naive_attention, rule_violations
 

@@ -76,9 +76,12 @@ bool decode_kernel_enabled() {
   return enabled;
 }
 
-// Chunks of the decoding kernel per row: one wave of resident blocks over the GPU, at least two
-// 64-key tiles per chunk. A function of the shapes and the device only (never of the lengths in
-// device memory), so a captured CUDA graph replays the same plan. FOX_DECODE_SPLITS overrides it.
+// Chunks of the decoding kernel per row. Blocks run in waves of (resident blocks per SM x SMs); a
+// last wave that is mostly empty costs as much as a full one. So, as FlashAttention's split
+// heuristic does, take the fewest chunks whose wave efficiency (blocks / (waves x wave size)) is
+// within 85% of the best, with at least two 64-key tiles per chunk. A function of the shapes and
+// the device only (never of the lengths in device memory), so a captured CUDA graph replays the
+// same plan. FOX_DECODE_SPLITS overrides it (tuning).
 int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   static const int override_splits = [] {
     const char* v = std::getenv("FOX_DECODE_SPLITS");
@@ -87,11 +90,20 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
   const int64_t key_tiles = (p.seqlen_k + 63) / 64;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t splits = override_splits > 0 ? override_splits
-                                       : std::max<int64_t>(1, blocks_per_sm * sms / base);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, key_tiles / 2));
-  return static_cast<int>(std::clamp<int64_t>(splits, 1, kDecodeMaxSplits));
+  const int64_t wave = static_cast<int64_t>(blocks_per_sm) *
+                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t max_splits =
+      std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, key_tiles / 2));
+  if (override_splits > 0) return static_cast<int>(std::min<int64_t>(override_splits, max_splits));
+  auto efficiency = [&](int64_t splits) {
+    const int64_t blocks = base * splits, waves = (blocks + wave - 1) / wave;
+    return static_cast<double>(blocks) / static_cast<double>(waves * wave);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+  return 1;
 }
 
 // Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.

@@ -27,7 +27,13 @@
 namespace fox::cuda::decode {
 
 constexpr int kRows = 16;   // rows of the packed query tile (one MMA m-tile)
-constexpr int kKeys = 64;   // keys per tile: 16 for each of the 4 warps
+// Keys per tile: 16 or 32 for each of the 4 warps (kWarpKeySteps 16-key MMA steps). A tile costs
+// two barriers and a gate scan, so head dim 64 takes 128 keys to move as many bytes per tile as
+// head dim 128 does with 64.
+template <int kHeadDim>
+constexpr int kWarpKeySteps = kHeadDim <= 64 ? 2 : 1;
+template <int kHeadDim>
+constexpr int kKeysOf = 64 * kWarpKeySteps<kHeadDim>;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxSplits = kDecodeMaxSplits;  // the combine keeps a weight per chunk in shared memory
@@ -35,7 +41,7 @@ constexpr int kMaxSplits = kDecodeMaxSplits;  // the combine keeps a weight per 
 // Stages of the cp.async ring: bytes in flight per SM against shared memory per block (the
 // shared memory sets how many blocks fit on an SM). FOX_DECODE_STAGES_64/128 override them.
 #ifndef FOX_DECODE_STAGES_64
-#define FOX_DECODE_STAGES_64 3
+#define FOX_DECODE_STAGES_64 2
 #endif
 #ifndef FOX_DECODE_STAGES_128
 #define FOX_DECODE_STAGES_128 2
@@ -45,13 +51,16 @@ constexpr int kStages = kHeadDim <= 64 ? FOX_DECODE_STAGES_64 : FOX_DECODE_STAGE
 
 template <int kHeadDim>
 struct Smem {
+  static constexpr int kKeys = kKeysOf<kHeadDim>;
   static constexpr int kTileElems = kKeys * kHeadDim;  // one K or V tile, 2-byte elements
   static constexpr int kQ = 0;                          // Q tile (16 rows)
   static constexpr int kKV = kRows * kHeadDim;          // stage s: K at kKV + 2s tiles, V after it
   static constexpr int kElems = kKV + 2 * kStages<kHeadDim> * kTileElems;
   static constexpr size_t kGateOffset = sizeof(uint16_t) * kElems;  // float gates[stage][row][key]
   static constexpr size_t kROffset = kGateOffset + sizeof(float) * kStages<kHeadDim> * kRows * kKeys;
-  static constexpr size_t kRqOffset = kROffset + sizeof(float) * kRows * kKeys;
+  // R rows padded by 8 floats: the 8 rows a warp reads at once fall on different banks.
+  static constexpr int kRStride = kKeys + 8;
+  static constexpr size_t kRqOffset = kROffset + sizeof(float) * kRows * kRStride;
   static constexpr size_t kBytes = kRqOffset + sizeof(float) * kRows;
   // The merge of the 4 warps reuses the K/V stages: O (4 x 16 x D) and 2 x 4 x 16 statistics.
   static_assert(sizeof(float) * (kWarps * kRows * kHeadDim + 2 * kWarps * kRows) <=
@@ -76,7 +85,8 @@ struct DecodeTile {
   int64_t top = -1;                   // last key of the chunk
 };
 
-__device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits) {
+__device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits,
+                                                  int kKeys) {
   DecodeTile t;
   const int64_t group = p.heads_per_kv_head();
   const int64_t tq = p.seqlen_q;
@@ -99,7 +109,7 @@ __device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int nu
   return t;
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kKeys = kKeysOf<kHeadDim>>
 __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* v, int64_t k_row,
                                              int64_t v_row, int64_t j0, int64_t len) {
   constexpr int kChunks = kHeadDim / 8;
@@ -115,6 +125,7 @@ __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* 
 }
 
 // Gates of the tile's heads for keys j0..j0+63 (zero past the end of the row).
+template <int kKeys>
 __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_t g_row,
                                                int64_t g_head, int nh, int64_t j0, int64_t len) {
   for (int idx = threadIdx.x; idx < nh * kKeys; idx += kThreads) {
@@ -142,6 +153,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kS = kStages<kHeadDim>;
   constexpr int kDimTiles = kHeadDim / 8;
   constexpr int kDimSteps = kHeadDim / 16;
+  constexpr int kKeys = kKeysOf<kHeadDim>, kSteps = kWarpKeySteps<kHeadDim>;
+  constexpr int kPerLane = kKeys / 32;  // keys per lane in the gate scan
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw) + L::kQ;
   T* KV = reinterpret_cast<T*>(smem_raw) + L::kKV;
@@ -151,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group_id = lane >> 2, quad = lane & 3;
-  const DecodeTile t = decode_tile(p, split.num_splits);
+  const DecodeTile t = decode_tile(p, split.num_splits, kKeys);
   const SequenceView& s = t.s;
   const int64_t tq = p.seqlen_q;
   const int64_t group = p.heads_per_kv_head();
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t j0 = (t.tile_hi - it) * kKeys;
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
                                 kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
-      load_gate_tile(Gs + stage * kRows * kKeys, gbase, p.g_row_stride, p.g_head_stride, t.nh, j0,
+      load_gate_tile<kKeys>(Gs + stage * kRows * kKeys, gbase, p.g_row_stride, p.g_head_stride, t.nh, j0,
                      s.len_k);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
@@ -240,46 +253,58 @@ __global__ void __launch_bounds__(kThreads)
     issue(it + kS - 1);
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (t.tile_hi - it) * kKeys;
-    // R of the tile's 64 keys for each head slot: one warp per slot, two keys per lane.
+    // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
     const float* G = Gs + stage * kRows * kKeys;
 #pragma unroll
     for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
       if (slot >= t.nh) break;
-      const float2 x = *reinterpret_cast<const float2*>(G + slot * kKeys + 2 * lane);
-      const float incl = warp_inclusive_suffix_scan(x.x + x.y, lane);
+      float x[kPerLane], lane_sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        x[e] = G[slot * kKeys + kPerLane * lane + e];
+        lane_sum += x[e];
+      }
+      const float incl = warp_inclusive_suffix_scan(lane_sum, lane);
       const float above = __shfl_down_sync(0xffffffffu, incl, 1);
-      const float excl = lane < 31 ? above : 0.f;  // gates of the keys after 2 * lane + 1
-      const float r_odd = carry_slots[c] + excl, r_even = carry_slots[c] + (excl + x.y);
-      *reinterpret_cast<float2*>(Rs + slot * kKeys + 2 * lane) =
-          make_float2(r_even * kLog2e, r_odd * kLog2e);
+      float after = lane < 31 ? above : 0.f;  // gates of the keys after this lane's
+#pragma unroll
+      for (int e = kPerLane - 1; e >= 0; --e) {
+        Rs[slot * L::kRStride + kPerLane * lane + e] = (carry_slots[c] + after) * kLog2e;
+        after += x[e];
+      }
       carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
     }
     __syncthreads();
 
     const T* Ks = KV + 2 * stage * L::kTileElems;
     const T* Vs = Ks + L::kTileElems;
-    const int key_base = 16 * warp;  // this warp's 16 keys of the tile
-    // S = Q K^T: 16 rows x 16 keys (two n-tiles).
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const int key_base = 16 * kSteps * warp;  // this warp's keys of the tile
+    // S = Q K^T: 16 rows x 16 kSteps keys (2 kSteps n-tiles).
+    float sc[2 * kSteps][4];
+#pragma unroll
+    for (int n = 0; n < 2 * kSteps; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kDimSteps; ++ks) {
-      uint32_t kf[4];
-      const int key = key_base + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(kf, Ks + swizzled<kHeadDim>(key, ks * 2 + ((lane >> 3) & 1)));
-      Mma::mma(sc[0], q_frag[ks], kf[0], kf[1]);
-      Mma::mma(sc[1], q_frag[ks], kf[2], kf[3]);
+#pragma unroll
+      for (int n2 = 0; n2 < kSteps; ++n2) {
+        uint32_t kf[4];
+        const int key = key_base + 16 * n2 + (lane & 7) + ((lane >> 4) << 3);
+        ldmatrix_x4(kf, Ks + swizzled<kHeadDim>(key, ks * 2 + ((lane >> 3) & 1)));
+        Mma::mma(sc[2 * n2], q_frag[ks], kf[0], kf[1]);
+        Mma::mma(sc[2 * n2 + 1], q_frag[ks], kf[2], kf[3]);
+      }
     }
     // Bias, mask and online softmax (log2 domain).
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < 2 * kSteps; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hi = e >> 1;
         const int col = key_base + n * 8 + quad * 2 + (e & 1);
         const int64_t j = j0 + col;
-        float x = fmaf(sc[n][e], scale_log2, rq[hi] + Rs[slot_of[hi] * kKeys + col]);
+        float x = fmaf(sc[n][e], scale_log2, rq[hi] + Rs[slot_of[hi] * L::kRStride + col]);
         if (j > pos_of[hi] || j < s.first_key) x = -INFINITY;
         sc[n][e] = x;
         tile_max[hi] = fmaxf(tile_max[hi], x);
@@ -297,16 +322,16 @@ __global__ void __launch_bounds__(kThreads)
       row_max[hi] = new_max;
       tile_max[hi] = base;
     }
-    uint32_t p_frag[4];
+    uint32_t p_frag[kSteps][4];  // C fragments of n-tiles 2k, 2k+1 form the A fragment of step k
     float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < 2 * kSteps; ++n) {
       const float p0 = exp2f(sc[n][0] - tile_max[0]), p1 = exp2f(sc[n][1] - tile_max[0]);
       const float p2 = exp2f(sc[n][2] - tile_max[1]), p3 = exp2f(sc[n][3] - tile_max[1]);
       tile_sum[0] += p0 + p1;
       tile_sum[1] += p2 + p3;
-      p_frag[n * 2 + 0] = Mma::pack(p0, p1);
-      p_frag[n * 2 + 1] = Mma::pack(p2, p3);
+      p_frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(p0, p1);
+      p_frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(p2, p3);
     }
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
@@ -317,14 +342,17 @@ __global__ void __launch_bounds__(kThreads)
       o[n][2] *= correction[1];
       o[n][3] *= correction[1];
     }
-    // O += P V over this warp's 16 keys.
+    // O += P V over this warp's keys.
 #pragma unroll
-    for (int n2 = 0; n2 < kDimTiles / 2; ++n2) {
-      uint32_t vf[4];
-      const int key = key_base + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(vf, Vs + swizzled<kHeadDim>(key, n2 * 2 + (lane >> 4)));
-      Mma::mma(o[2 * n2], p_frag, vf[0], vf[1]);
-      Mma::mma(o[2 * n2 + 1], p_frag, vf[2], vf[3]);
+    for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+      for (int n2 = 0; n2 < kDimTiles / 2; ++n2) {
+        uint32_t vf[4];
+        const int key = key_base + 16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3);
+        ldmatrix_x4_trans(vf, Vs + swizzled<kHeadDim>(key, n2 * 2 + (lane >> 4)));
+        Mma::mma(o[2 * n2], p_frag[ks], vf[0], vf[1]);
+        Mma::mma(o[2 * n2 + 1], p_frag[ks], vf[2], vf[3]);
+      }
     }
   }
   cp_async_wait<0>();
