@@ -31,7 +31,8 @@ def reference_rows(q, k, v, g, *, seq_start=None, cache_seqlens=None, dtype=torc
 
 
 def check_forward(q, k, v, g, *, seq_start=None, cache_seqlens=None):
-    out, lse = fwd(q, k, v, g, seq_start, None, None, None, cache_seqlens)
+    extra = () if cache_seqlens is None else (None, None, None, cache_seqlens)
+    out, lse = fwd(q, k, v, g, seq_start, *extra)
     ref = reference_rows(q.double(), k.double(), v.double(), g.double(), seq_start=seq_start,
                          cache_seqlens=cache_seqlens)
     naive = reference_rows(q, k, v, g, seq_start=seq_start, cache_seqlens=cache_seqlens,
