@@ -19,6 +19,7 @@ def forgetting_attention(
     sm_scale: Optional[float] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     adaptive_threshold: Optional[float] = None,
+    cache_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Forgetting Attention (Lin et al., ICLR 2025); drop-in for the authors' function.
 
@@ -39,6 +40,10 @@ def forgetting_attention(
             FlashAttention's varlen API; each sequence attends causally within itself.
         adaptive_threshold: adaptive computation pruning: skip key tiles whose largest gate bias
             is below this value (see `pruning_threshold`). Default: exact attention.
+        cache_seqlens: (batch,) integers in [seqlen_q, seqlen_k]: row b holds cache_seqlens[b]
+            valid keys (a preallocated KV cache filled to different lengths, as in
+            FlashAttention's kvcache API, the new tokens already written); its queries are the
+            last seqlen_q of them and later keys are ignored.
 
     Returns:
         (batch, seqlen_q, num_heads, head_dim), or (batch, num_heads, seqlen_q, head_dim) if
@@ -53,7 +58,7 @@ def forgetting_attention(
                 )
         q, k, v, log_fgate = (x.transpose(1, 2) for x in (q, k, v, log_fgate))
     out = torch.ops.fox.forgetting_attention(
-        q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold
+        q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold, cache_seqlens
     )
     return out.transpose(1, 2) if head_first else out
 
@@ -86,19 +91,20 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 @torch.library.register_fake("fox::forgetting_attention")
 def _forgetting_attention_fake(q, k, v, log_fgate, seq_start=None, cu_seqlens=None,
-                               sm_scale=None, adaptive_threshold=None):
+                               sm_scale=None, adaptive_threshold=None, cache_seqlens=None):
     return q.new_empty(q.shape)
 
 
 @torch.library.register_fake("fox::forgetting_attention_fwd")
 def _forgetting_attention_fwd_fake(q, k, v, log_fgate, seq_start=None, cu_seqlens=None,
-                                   sm_scale=None, adaptive_threshold=None):
+                                   sm_scale=None, adaptive_threshold=None, cache_seqlens=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=_lse_dtype(q))
 
 
 @torch.library.register_fake("fox::forgetting_attention_bwd")
 def _forgetting_attention_bwd_fake(grad_out, q, k, v, log_fgate, out, lse, seq_start=None,
-                                   cu_seqlens=None, sm_scale=None, adaptive_threshold=None):
+                                   cu_seqlens=None, sm_scale=None, adaptive_threshold=None,
+                                   cache_seqlens=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), \
         log_fgate.new_empty(log_fgate.shape)

@@ -15,7 +15,8 @@ at::Tensor forgetting_attention_autocast(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& seq_start,
                                          const std::optional<at::Tensor>& cu_seqlens,
                                          std::optional<double> sm_scale,
-                                         std::optional<double> adaptive_threshold) {
+                                         std::optional<double> adaptive_threshold,
+                                         const std::optional<at::Tensor>& cache_seqlens) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
   const auto dtype = at::autocast::get_autocast_dtype(kDevice);
   auto cast = [&](const at::Tensor& x) {
@@ -27,7 +28,8 @@ at::Tensor forgetting_attention_autocast(const at::Tensor& q, const at::Tensor& 
                                   .seq_start(seq_start)
                                   .cu_seqlens(cu_seqlens)
                                   .sm_scale(sm_scale)
-                                  .adaptive_threshold(adaptive_threshold));
+                                  .adaptive_threshold(adaptive_threshold)
+                                  .cache_seqlens(cache_seqlens));
 }
 
 }  // namespace

@@ -36,7 +36,9 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& seq_start,
                                 const std::optional<at::Tensor>& cu_seqlens,
                                 std::optional<double> sm_scale,
-                                std::optional<double> adaptive_threshold) {
+                                std::optional<double> adaptive_threshold,
+                                const std::optional<at::Tensor>& cache_seqlens,
+                                bool check_index_values) {
   TORCH_CHECK(q.dim() == 4, "q must be (batch, seqlen_q, num_heads, head_dim), got shape ",
               q.sizes());
   TORCH_CHECK(k.dim() == 4, "k must be (batch, seqlen_k, num_kv_heads, head_dim), got shape ",
@@ -89,7 +91,7 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
     idx.seq_start = checked_index_tensor(*seq_start, "seq_start", q);
     TORCH_CHECK(idx.seq_start->numel() == B, "seq_start must have batch=", B,
                 " entries, got ", idx.seq_start->numel());
-    if (B > 0) {
+    if (B > 0 && check_index_values) {
       const auto lo = idx.seq_start->min().item<int64_t>();
       const auto hi = idx.seq_start->max().item<int64_t>();
       TORCH_CHECK(lo >= 0 && hi < std::max<int64_t>(Tk, 1),
@@ -114,6 +116,21 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(c[n - 1] == Tk, "cu_seqlens must end at the packed length ", Tk, ", got ",
                 c[n - 1]);
     idx.num_sequences = n - 1;
+  }
+  if (cache_seqlens.has_value()) {
+    TORCH_CHECK(!cu_seqlens.has_value(),
+                "cache_seqlens and cu_seqlens cannot be combined: cache_seqlens describes a padded "
+                "(batch, seqlen_k) cache, cu_seqlens a packed batch");
+    idx.cache_seqlens = checked_index_tensor(*cache_seqlens, "cache_seqlens", q);
+    TORCH_CHECK(idx.cache_seqlens->numel() == B, "cache_seqlens must have batch=", B,
+                " entries, got ", idx.cache_seqlens->numel());
+    if (B > 0 && check_index_values) {
+      const auto lo = idx.cache_seqlens->min().item<int64_t>();
+      const auto hi = idx.cache_seqlens->max().item<int64_t>();
+      TORCH_CHECK(lo >= Tq && hi <= Tk, "cache_seqlens values must lie in [seqlen_q=", Tq,
+                  ", seqlen_k=", Tk, "] (every row holds its seqlen_q queries), got min ", lo,
+                  " max ", hi);
+    }
   }
   return idx;
 }
@@ -171,6 +188,7 @@ void fill_forward_params(ForwardParams& p, const at::Tensor& q, const at::Tensor
   p.head_dim = q.size(3);
   p.seq_start = idx.seq_start ? idx.seq_start->data_ptr<int64_t>() : nullptr;
   p.cu_seqlens = idx.cu_seqlens ? idx.cu_seqlens->data_ptr<int64_t>() : nullptr;
+  p.cache_seqlens = idx.cache_seqlens ? idx.cache_seqlens->data_ptr<int64_t>() : nullptr;
   p.scale = scale;
   p.prune_threshold =
       adaptive_threshold.has_value() ? static_cast<float>(*adaptive_threshold) : -INFINITY;
@@ -212,7 +230,8 @@ at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const 
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const std::optional<at::Tensor>&,
                                          const std::optional<at::Tensor>&,
-                                         std::optional<double>, std::optional<double>)>();
+                                         std::optional<double>, std::optional<double>,
+                                         const std::optional<at::Tensor>&)>();
   if (options.head_first()) {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && log_fgate.dim() == 3,
                 "head_first expects q, k, v of rank 4 (B, H, T, D) and log_fgate of rank 3 "
@@ -220,32 +239,35 @@ at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const 
                 log_fgate.dim());
     auto out = op.call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                        log_fgate.transpose(1, 2), options.seq_start(), options.cu_seqlens(),
-                       options.sm_scale(), options.adaptive_threshold());
+                       options.sm_scale(), options.adaptive_threshold(), options.cache_seqlens());
     return out.transpose(1, 2);
   }
   return op.call(q, k, v, log_fgate, options.seq_start(), options.cu_seqlens(),
-                 options.sm_scale(), options.adaptive_threshold());
+                 options.sm_scale(), options.adaptive_threshold(), options.cache_seqlens());
 }
 
 std::tuple<at::Tensor, at::Tensor> forgetting_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_fgate,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold) {
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fox::forgetting_attention_fwd", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, std::optional<double>,
-                           std::optional<double>)>();
-  return op.call(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold);
+                           std::optional<double>, const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold,
+                 cache_seqlens);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forgetting_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& log_fgate, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold) {
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fox::forgetting_attention_bwd", "")
@@ -253,9 +275,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forgetting_attention_
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-              std::optional<double>, std::optional<double>)>();
+              std::optional<double>, std::optional<double>, const std::optional<at::Tensor>&)>();
   return op.call(grad_out, q, k, v, log_fgate, out, lse, seq_start, cu_seqlens, sm_scale,
-                 adaptive_threshold);
+                 adaptive_threshold, cache_seqlens);
 }
 
 }  // namespace fox

@@ -14,16 +14,22 @@ namespace fox::detail {
 struct IndexTensors {
   std::optional<at::Tensor> seq_start;
   std::optional<at::Tensor> cu_seqlens;
+  std::optional<at::Tensor> cache_seqlens;
   int64_t num_sequences = 0;
 };
 
 // Checks every argument of the forward op; throws c10::Error naming the argument on bad input.
+// check_index_values = false skips the checks that read index tensors' values (seq_start,
+// cache_seqlens): on a GPU they synchronize, which a CUDA graph capture does not allow (the
+// kernels then clamp the values instead of failing).
 IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& log_fgate,
                                 const std::optional<at::Tensor>& seq_start,
                                 const std::optional<at::Tensor>& cu_seqlens,
                                 std::optional<double> sm_scale,
-                                std::optional<double> adaptive_threshold);
+                                std::optional<double> adaptive_threshold,
+                                const std::optional<at::Tensor>& cache_seqlens = std::nullopt,
+                                bool check_index_values = true);
 
 // Checks the extra arguments of the backward op (grad_out, out, lse) against q.
 void check_backward_args(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,

@@ -71,8 +71,12 @@ struct ForwardParams {
       const int64_t begin = cu_seqlens[s], len = cu_seqlens[s + 1] - begin;
       return {0, begin, begin, len, len, 0};
     }
-    return {s, 0, 0, seqlen_q, cache_seqlens != nullptr ? cache_seqlens[s] : seqlen_k,
-            seq_start != nullptr ? seq_start[s] : 0};
+    int64_t len_k = seqlen_k;
+    if (cache_seqlens != nullptr) {  // clamped: values are not checked under CUDA graph capture
+      len_k = cache_seqlens[s] < seqlen_q ? seqlen_q : cache_seqlens[s];
+      len_k = len_k > seqlen_k ? seqlen_k : len_k;
+    }
+    return {s, 0, 0, seqlen_q, len_k, seq_start != nullptr ? seq_start[s] : 0};
   }
 };
 

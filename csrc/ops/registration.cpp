@@ -10,20 +10,23 @@ TORCH_LIBRARY(fox, m) {
   //   q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with H % Hkv == 0; log_fgate (B, Tk, H) float32.
   //   seq_start (B,): keys before it are masked. cu_seqlens (S+1,): packed batch (B == 1, Tq == Tk).
   //   sm_scale: default 1/sqrt(D). adaptive_threshold: prune key tiles whose gate bias is below it.
+  //   cache_seqlens (B,): valid keys of each row (a preallocated cache filled to different
+  //   lengths); row b's queries are the last Tq of its cache_seqlens[b] keys, later keys ignored.
   //   Returns out (B, Tq, H, D) in the dtype of q.
   m.def(
       "forgetting_attention(Tensor q, Tensor k, Tensor v, Tensor log_fgate, Tensor? seq_start=None, "
-      "Tensor? cu_seqlens=None, float? sm_scale=None, float? adaptive_threshold=None) -> Tensor");
+      "Tensor? cu_seqlens=None, float? sm_scale=None, float? adaptive_threshold=None, "
+      "Tensor? cache_seqlens=None) -> Tensor");
   // Forward without autograd; lse (B, H, Tq) float32 is what the backward needs.
   m.def(
       "forgetting_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor log_fgate, "
       "Tensor? seq_start=None, Tensor? cu_seqlens=None, float? sm_scale=None, "
-      "float? adaptive_threshold=None) -> (Tensor out, Tensor lse)");
+      "float? adaptive_threshold=None, Tensor? cache_seqlens=None) -> (Tensor out, Tensor lse)");
   // Backward: gradients of q, k, v (their dtypes) and log_fgate (float32).
   m.def(
       "forgetting_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_fgate, "
       "Tensor out, Tensor lse, Tensor? seq_start=None, Tensor? cu_seqlens=None, "
-      "float? sm_scale=None, float? adaptive_threshold=None) "
+      "float? sm_scale=None, float? adaptive_threshold=None, Tensor? cache_seqlens=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dlog_fgate)");
 }
 

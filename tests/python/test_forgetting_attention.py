@@ -533,6 +533,7 @@ OPCHECK_CASES = {
     "seq_start": dict(B=2, Tq=9, H=2, D=8, seq_start=[0, 4]),
     "cu_seqlens": dict(B=1, Tq=12, H=2, D=8, cu_seqlens=[0, 5, 5, 12]),
     "options": dict(B=1, Tq=9, H=2, D=8, sm_scale=0.5, adaptive_threshold=-5.0),
+    "cache_seqlens": dict(B=3, Tq=2, Tk=10, H=4, Hkv=2, D=8, cache_seqlens=[10, 2, 7]),
 }
 
 
@@ -541,8 +542,8 @@ OPCHECK_CASES = {
 def test_opcheck(case, requires_grad):
     cfg = dict(OPCHECK_CASES[case])
     extra = {key: cfg.pop(key, None) for key in
-             ("seq_start", "cu_seqlens", "sm_scale", "adaptive_threshold")}
-    for key in ("seq_start", "cu_seqlens"):
+             ("seq_start", "cu_seqlens", "sm_scale", "adaptive_threshold", "cache_seqlens")}
+    for key in ("seq_start", "cu_seqlens", "cache_seqlens"):
         if extra[key] is not None:
             extra[key] = index_tensor(extra[key], "cpu")
     inputs = [x.requires_grad_(requires_grad) for x in make_inputs(**cfg)]
@@ -582,13 +583,68 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+# ---- per-row cache lengths (cache_seqlens) ---------------------------------------------------------
+
+
+def rowwise_reference(q, k, v, g, lengths, seq_start=None, dtype=torch.float64):
+    """The formula on each row's own keys: row b keeps keys [0, lengths[b])."""
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        start = None if seq_start is None else seq_start[b:b + 1]
+        outs.append(naive_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n],
+                                    seq_start=start, dtype=dtype))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 16, 40])
+def test_cache_seqlens(device, dtype, seqlen_q):
+    """A cache filled to a different length per row equals the formula on each row's keys, forward
+    and backward; keys past a row's length get exactly zero gradient."""
+    B, Tk = 4, 150
+    q, k, v, g = make_inputs(B, seqlen_q, Tk, 4, 2, 64, dtype=dtype, device=device,
+                             regime="mixed")
+    lengths = index_tensor([Tk, seqlen_q, 77, 100], device)
+    starts = index_tensor([0, 0, 5, 99 - seqlen_q], device)
+    grad_out = torch.randn(q.shape, device=device)
+    for seq_start in (None, starts):
+        inputs = (q, k, v, g)
+        out, grads = forward_backward(lambda *x: op(*x, seq_start, None, None, None, lengths),
+                                      inputs, grad_out.to(dtype))
+        ref, ref_grads = forward_backward(
+            lambda *x: rowwise_reference(*x, lengths, seq_start), [x.double() for x in inputs],
+            grad_out.double())
+        naive, naive_grads = forward_backward(
+            lambda *x: rowwise_reference(*x, lengths, seq_start, dtype=dtype), inputs,
+            grad_out.to(dtype))
+        problems = rule_violations(("out",) + GRAD_NAMES, [out] + grads, [ref] + ref_grads,
+                                   [naive] + naive_grads, dtype)
+        assert not problems, "; ".join(problems)
+        for b, n in enumerate(lengths.tolist()):
+            for grad in grads[1:]:
+                assert torch.count_nonzero(grad[b, n:]) == 0
+
+
+def test_cache_seqlens_gradcheck_float64():
+    q, k, v, g = make_inputs(2, 2, 9, 2, 1, 8, dtype=torch.float64, regime="mixed")
+    lengths = index_tensor([5, 9], "cpu")
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    assert torch.autograd.gradcheck(lambda *x: op(*x, None, None, None, None, lengths), inputs)
+
+
+def test_cache_seqlens_full_equals_none(device):
+    q, k, v, g = make_inputs(3, 5, 70, 4, 4, 32, device=device)
+    full = index_tensor([70, 70, 70], device)
+    assert torch.equal(op(q, k, v, g), op(q, k, v, g, None, None, None, None, full))
+
+
 # ---- argument errors -----------------------------------------------------------------------------
 
 
 def _valid(device, B=2, Tq=6, Tk=8, H=4, Hkv=2, D=16):
     q, k, v, g = make_inputs(B=B, Tq=Tq, Tk=Tk, H=H, Hkv=Hkv, D=D, device=device)
     return dict(q=q, k=k, v=v, log_fgate=g, seq_start=None, cu_seqlens=None, sm_scale=None,
-                adaptive_threshold=None)
+                adaptive_threshold=None, cache_seqlens=None)
 
 
 def _packed(device, lengths=(3, 5)):
@@ -654,6 +710,16 @@ ERROR_CASES = [
     ("cu_seqlens_with_tq<tk", _with(_packed, q=lambda a, d: a["q"][:, 2:]), "cu_seqlens"),
     ("cu_seqlens_and_seq_start", _with(_packed, seq_start=lambda a, d: index_tensor([0], d)),
      "cu_seqlens"),
+    ("cache_seqlens_below_seqlen_q",
+     _with(None, cache_seqlens=lambda a, d: index_tensor([8, 5], d)), "cache_seqlens"),
+    ("cache_seqlens_above_seqlen_k",
+     _with(None, cache_seqlens=lambda a, d: index_tensor([9, 8], d)), "cache_seqlens"),
+    ("cache_seqlens_length", _with(None, cache_seqlens=lambda a, d: index_tensor([8, 8, 8], d)),
+     "cache_seqlens"),
+    ("cache_seqlens_float", _with(None, cache_seqlens=lambda a, d: torch.full((2,), 8.0, device=d)),
+     "cache_seqlens"),
+    ("cache_seqlens_and_cu_seqlens",
+     _with(_packed, cache_seqlens=lambda a, d: index_tensor([8], d)), "cache_seqlens"),
     ("sm_scale_nan", _with(None, sm_scale=lambda a, d: float("nan")), "sm_scale"),
     ("adaptive_threshold_nan", _with(None, adaptive_threshold=lambda a, d: float("nan")),
      "adaptive_threshold"),
@@ -664,6 +730,8 @@ CUDA_ERROR_CASES = [
     ("log_fgate_on_cpu", _with(None, log_fgate=lambda a, d: a["log_fgate"].cpu()), "log_fgate"),
     ("seq_start_on_cpu", _with(None, seq_start=lambda a, d: index_tensor([0, 1], "cpu")),
      "seq_start"),
+    ("cache_seqlens_on_cpu", _with(None, cache_seqlens=lambda a, d: index_tensor([8, 7], "cpu")),
+     "cache_seqlens"),
     ("q_float64", _with(None, **{x: (lambda x: lambda a, d: a[x].double())(x)
                                  for x in ("q", "k", "v", "log_fgate")}), "q"),
 ]
@@ -681,7 +749,7 @@ def test_bad_arguments(device, case):
     _, build, name = case
     a = build(device)
     args = (a["q"], a["k"], a["v"], a["log_fgate"], a["seq_start"], a["cu_seqlens"],
-            a["sm_scale"], a["adaptive_threshold"])
+            a["sm_scale"], a["adaptive_threshold"], a["cache_seqlens"])
     _assert_error_names(lambda: op(*args), name)
     _assert_error_names(lambda: torch.ops.fox.forgetting_attention_fwd(*args), name)
 
@@ -692,7 +760,8 @@ def test_bad_arguments(device, case):
 def test_bad_arguments_cuda(case):
     _, build, name = case
     a = build("cuda")
-    _assert_error_names(lambda: op(a["q"], a["k"], a["v"], a["log_fgate"], a["seq_start"]), name)
+    _assert_error_names(lambda: op(a["q"], a["k"], a["v"], a["log_fgate"], a["seq_start"], None,
+                                   None, None, a["cache_seqlens"]), name)
 
 
 def test_bad_backward_arguments(device):

@@ -30,6 +30,9 @@ struct AttentionOptions {
   /// Adaptive computation pruning: key tiles whose largest gate bias d_ij (the log of the forget
   /// gates' product) lies below this threshold are skipped. Default: no pruning.
   TORCH_ARG(std::optional<double>, adaptive_threshold) = std::nullopt;
+  /// (B,) integer tensor: row b holds cache_seqlens[b] valid keys (a preallocated cache filled to
+  /// different lengths); its queries are the last seqlen_q of them, later keys are ignored.
+  TORCH_ARG(std::optional<at::Tensor>, cache_seqlens) = std::nullopt;
 };
 
 /// Forgetting Attention: softmax(scale * q k^T + D) v with D_ij = sum_{l=j+1..i} log_fgate_l,
@@ -44,14 +47,16 @@ at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const 
 std::tuple<at::Tensor, at::Tensor> forgetting_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_fgate,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold);
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens = std::nullopt);
 
 /// The backward op: returns (dq, dk, dv, dlog_fgate) for the forward above.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forgetting_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& log_fgate, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold);
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens = std::nullopt);
 
 /// True when this build contains the CUDA kernels.
 bool built_with_cuda();

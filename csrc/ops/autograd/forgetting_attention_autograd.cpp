@@ -21,15 +21,17 @@ class ForgettingAttentionFunction : public torch::autograd::Function<ForgettingA
                             const std::optional<at::Tensor>& seq_start,
                             const std::optional<at::Tensor>& cu_seqlens,
                             std::optional<double> sm_scale,
-                            std::optional<double> adaptive_threshold) {
+                            std::optional<double> adaptive_threshold,
+                            const std::optional<at::Tensor>& cache_seqlens) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = forgetting_attention_forward(q, k, v, log_fgate, seq_start, cu_seqlens,
-                                                   sm_scale, adaptive_threshold);
+                                                   sm_scale, adaptive_threshold, cache_seqlens);
     ctx->save_for_backward({q, k, v, log_fgate, out, lse});
     ctx->saved_data["seq_start"] = seq_start;
     ctx->saved_data["cu_seqlens"] = cu_seqlens;
     ctx->saved_data["sm_scale"] = sm_scale;
     ctx->saved_data["adaptive_threshold"] = adaptive_threshold;
+    ctx->saved_data["cache_seqlens"] = cache_seqlens;
     ctx->mark_non_differentiable({lse});
     return out;
   }
@@ -42,8 +44,9 @@ class ForgettingAttentionFunction : public torch::autograd::Function<ForgettingA
         ctx->saved_data["seq_start"].toOptional<at::Tensor>(),
         ctx->saved_data["cu_seqlens"].toOptional<at::Tensor>(),
         ctx->saved_data["sm_scale"].toOptional<double>(),
-        ctx->saved_data["adaptive_threshold"].toOptional<double>());
-    return {dq, dk, dv, dg, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        ctx->saved_data["adaptive_threshold"].toOptional<double>(),
+        ctx->saved_data["cache_seqlens"].toOptional<at::Tensor>());
+    return {dq, dk, dv, dg, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -52,9 +55,10 @@ at::Tensor forgetting_attention_autograd(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& seq_start,
                                          const std::optional<at::Tensor>& cu_seqlens,
                                          std::optional<double> sm_scale,
-                                         std::optional<double> adaptive_threshold) {
+                                         std::optional<double> adaptive_threshold,
+                                         const std::optional<at::Tensor>& cache_seqlens) {
   return ForgettingAttentionFunction::apply(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
-                                            adaptive_threshold);
+                                            adaptive_threshold, cache_seqlens);
 }
 
 }  // namespace

@@ -76,9 +76,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& seq_start,
                                            const std::optional<at::Tensor>& cu_seqlens,
                                            std::optional<double> sm_scale,
-                                           std::optional<double> adaptive_threshold) {
+                                           std::optional<double> adaptive_threshold,
+                                           const std::optional<at::Tensor>& cache_seqlens) {
   const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
-                                              adaptive_threshold);
+                                              adaptive_threshold, cache_seqlens);
   const auto dtype = compute_dtype(q);
   const bool bf16 = use_bf16_gemm(q, k, v);
   const auto in_dtype = bf16 ? at::kBFloat16 : dtype;
@@ -113,9 +114,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& log_fgate, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold) {
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens) {
   const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
-                                              adaptive_threshold);
+                                              adaptive_threshold, cache_seqlens);
   detail::check_backward_args(grad_out, q, out, lse);
   const auto dtype = compute_dtype(q);
   const bool bf16 = use_bf16_gemm(q, k, v);
@@ -124,9 +126,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const auto oc = as_compute(out, in_dtype), doc = as_compute(grad_out, in_dtype);
   const auto gc = log_fgate.to(dtype);
   auto dq = at::empty(q.sizes(), q.options().dtype(in_dtype));
-  auto dk = at::empty(k.sizes(), k.options().dtype(in_dtype));
-  auto dv = at::empty(v.sizes(), v.options().dtype(in_dtype));
-  auto dg = at::empty(log_fgate.sizes(), log_fgate.options().dtype(dtype));
+  // Keys past a row's cache_seqlens get no gradient: the kernels skip them, so start from zeros.
+  const auto alloc = [&](const at::Tensor& x, at::ScalarType type) {
+    return cache_seqlens.has_value() ? at::zeros(x.sizes(), x.options().dtype(type))
+                                     : at::empty(x.sizes(), x.options().dtype(type));
+  };
+  auto dk = alloc(k, in_dtype);
+  auto dv = alloc(v, in_dtype);
+  auto dg = alloc(log_fgate, dtype);
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
@@ -171,9 +178,10 @@ at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& seq_start,
                                 const std::optional<at::Tensor>& cu_seqlens,
                                 std::optional<double> sm_scale,
-                                std::optional<double> adaptive_threshold) {
-  return std::get<0>(
-      forward(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold));
+                                std::optional<double> adaptive_threshold,
+                                const std::optional<at::Tensor>& cache_seqlens) {
+  return std::get<0>(forward(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
+                             adaptive_threshold, cache_seqlens));
 }
 
 }  // namespace

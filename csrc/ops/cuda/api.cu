@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -35,6 +36,12 @@ ElementType element_type(const at::Tensor& q) {
       TORCH_CHECK(false, "the CUDA backend of forgetting_attention supports float16, bfloat16 and "
                   "float32; q is ", q.scalar_type(), " (float64 runs on the CPU backend)");
   }
+}
+
+// While the current stream is captured into a CUDA graph nothing may synchronize: the checks that
+// read index tensors' values are skipped then (the kernels clamp them).
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 // Longest sequence of the batch (sizes the grids): Tq, or the largest cu_seqlens difference.
@@ -141,9 +148,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& seq_start,
                                            const std::optional<at::Tensor>& cu_seqlens,
                                            std::optional<double> sm_scale,
-                                           std::optional<double> adaptive_threshold) {
+                                           std::optional<double> adaptive_threshold,
+                                           const std::optional<at::Tensor>& cache_seqlens) {
   const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
-                                              adaptive_threshold);
+                                              adaptive_threshold, cache_seqlens,
+                                              !capturing());
   const ElementType type = element_type(q);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto qc = detail::with_unit_last_stride(q), kc = detail::with_unit_last_stride(k),
@@ -243,9 +252,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& log_fgate, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& seq_start, const std::optional<at::Tensor>& cu_seqlens,
-    std::optional<double> sm_scale, std::optional<double> adaptive_threshold) {
+    std::optional<double> sm_scale, std::optional<double> adaptive_threshold,
+    const std::optional<at::Tensor>& cache_seqlens) {
   const auto idx = detail::check_forward_args(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
-                                              adaptive_threshold);
+                                              adaptive_threshold, cache_seqlens,
+                                              !capturing());
   detail::check_backward_args(grad_out, q, out, lse);
   const ElementType type = element_type(q);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -255,9 +266,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const auto oc = detail::with_unit_last_stride(out.to(q.scalar_type()));
   const auto doc = detail::with_unit_last_stride(grad_out.to(q.scalar_type()));
   auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
-  auto dg = at::empty(log_fgate.sizes(), log_fgate.options());
+  // Keys past a row's cache_seqlens get no gradient: the kernels skip them, so start from zeros.
+  const auto alloc = [&](const at::Tensor& x) {
+    return cache_seqlens.has_value() ? at::zeros(x.sizes(), x.options())
+                                     : at::empty(x.sizes(), x.options());
+  };
+  auto dk = alloc(k);
+  auto dv = alloc(v);
+  auto dg = alloc(log_fgate);
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
@@ -314,9 +330,10 @@ at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& seq_start,
                                 const std::optional<at::Tensor>& cu_seqlens,
                                 std::optional<double> sm_scale,
-                                std::optional<double> adaptive_threshold) {
-  return std::get<0>(
-      forward(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale, adaptive_threshold));
+                                std::optional<double> adaptive_threshold,
+                                const std::optional<at::Tensor>& cache_seqlens) {
+  return std::get<0>(forward(q, k, v, log_fgate, seq_start, cu_seqlens, sm_scale,
+                             adaptive_threshold, cache_seqlens));
 }
 
 }  // namespace
