@@ -41,6 +41,8 @@ _nn = _C.nn
 ForgettingTransformerConfig = _nn.ForgettingTransformerConfig
 ForgettingAttentionLayerOptions = _nn.ForgettingAttentionLayerOptions
 GenerationOptions = _nn.GenerationOptions
+# Generation one step at a time over a static cache (what generate and stream use).
+GenerationSession = _nn.GenerationSession
 KVCache = _nn.KVCache
 LayerCache = _nn.LayerCache
 mlp_intermediate_size = _nn.mlp_intermediate_size
@@ -277,6 +279,14 @@ class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel
         self.__dict__["_blocks_in_python"] = True
 
 
+def _generation_options(options: Optional[GenerationOptions], kwargs) -> GenerationOptions:
+    if options is None:
+        return GenerationOptions(**kwargs)
+    if kwargs:
+        raise TypeError("pass either options or keyword arguments, not both")
+    return options
+
+
 class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransformerForCausalLM):
     """The causal LM. forward(input_ids, labels=None, cache=None, seq_start=None) returns logits
     (B, T, vocab), or the per-token loss (B, T) when labels are given (no shift, ignore -100)."""
@@ -290,12 +300,23 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
                  **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation (B, T + n); kwargs are GenerationOptions fields
         (max_new_tokens, do_sample, temperature, top_k, top_p, stop_tokens, pad_token_id,
-        seq_start, prefill_chunk_size)."""
-        if options is None:
-            options = GenerationOptions(**kwargs)
-        elif kwargs:
-            raise TypeError("pass either options or keyword arguments, not both")
-        return self._cpp_generate(input_ids, options)
+        seq_start, prefill_chunk_size, prompt_lengths, static_cache, cuda_graph, max_length).
+        On a GPU the decoding step runs as a replayed CUDA graph over a static cache."""
+        return self._cpp_generate(input_ids, _generation_options(options, kwargs))
+
+    def stream(self, input_ids: torch.Tensor, options: Optional[GenerationOptions] = None,
+               **kwargs) -> Iterator[torch.Tensor]:
+        """Yields the new tokens (B,) of each step as they come (same options and tokens as
+        generate); ends after max_new_tokens or once every row has stopped."""
+        options = _generation_options(options, kwargs)
+        if options.max_new_tokens == 0:
+            return
+        session = _nn.GenerationSession(self.cpp_module, input_ids, options)
+        yield session.prefill()
+        for _ in range(options.max_new_tokens - 1):
+            if bool(session.finished.all()):
+                return
+            yield session.step()
 
     # ---- Hugging Face-format checkpoints (config.json + model.safetensors) ----------------------
 
@@ -347,6 +368,7 @@ _WRAPPERS = {getattr(_nn.cpp, c.__name__): c
 
 __all__ = [
     "ForgettingTransformerConfig", "ForgettingAttentionLayerOptions", "GenerationOptions",
+    "GenerationSession",
     "KVCache", "LayerCache", "RMSNorm", "GroupRMSNorm", "ShiftLinear", "GatedMLP",
     "ForgettingAttentionLayer", "ForgettingTransformerBlock", "ForgettingTransformerModel",
     "ForgettingTransformerForCausalLM", "mlp_intermediate_size", "sample_next_token",

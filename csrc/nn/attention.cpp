@@ -216,8 +216,12 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   const int64_t B = x_in.size(0), T = x_in.size(1), H = o.num_heads(), Hkv = num_kv_heads();
   const int64_t D = head_dim();
   TORCH_CHECK(T > 0, "ForgettingAttentionLayer: empty sequence");
-  const int64_t offset = cache ? cache->length() : 0;
-  auto positions = torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
+  // Positions of the new tokens: (T,) after a dynamic cache, (B, T) per row in a static one.
+  const bool static_cache = cache && cache->is_static();
+  const int64_t offset = cache && !static_cache ? cache->length() : 0;
+  auto positions = static_cache
+                       ? cache->positions
+                       : torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
 
   std::optional<torch::Tensor> start;
   auto x = x_in;
@@ -227,7 +231,8 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
                 seq_start->sizes());
     start = seq_start->to(x.device(), torch::kLong);
     // Padded positions contribute nothing, not even through the KV-shift of the first real token.
-    auto valid = positions.unsqueeze(0) >= start->unsqueeze(1);  // (B, T)
+    auto valid = (positions.dim() == 1 ? positions.unsqueeze(0) : positions) >=
+                 start->unsqueeze(1);  // (B, T)
     x = x * valid.unsqueeze(-1).to(x.scalar_type());
   }
 
@@ -237,7 +242,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     std::optional<torch::Tensor> prev;
     if (cache && state->defined()) prev = *state;
     auto [out, last] = shift->shift(projected, logits, prev);
-    if (cache) *state = last.clone();  // not a view that would keep the whole projection alive
+    if (cache) cache->set_state(*state, last);
     return out;
   };
   auto q = p.q;
@@ -269,6 +274,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   AttentionOptions aopts;
   aopts.sm_scale(1.0 / std::sqrt(static_cast<double>(D)));
   if (start) aopts.seq_start(*start);
+  if (static_cache) aopts.cache_seqlens(cache->seqlens);
   if (o.log_pruning_tolerance()) {
     torch::NoGradGuard no_grad;
     double bound;

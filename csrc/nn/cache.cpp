@@ -4,6 +4,18 @@ namespace fox::nn {
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
     const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& lf_new) {
+  if (is_static()) {
+    // scatter_ along time at each row's positions: no host sync, fixed addresses (graph-safe).
+    const int64_t B = k_new.size(0), T = k_new.size(1);
+    TORCH_CHECK(B == k.size(0), "KVCache: batch size ", B, " does not match the static cache's ",
+                k.size(0));
+    auto idx = positions.view({B, T, 1, 1});
+    k.scatter_(1, idx.expand(k_new.sizes()), k_new.to(k.scalar_type()));
+    v.scatter_(1, idx.expand(v_new.sizes()), v_new.to(v.scalar_type()));
+    log_fgate.scatter_(1, positions.view({B, T, 1}).expand(lf_new.sizes()),
+                       lf_new.to(log_fgate.scalar_type()));
+    return {k, v, log_fgate};
+  }
   if (!k.defined()) {
     k = k_new;
     v = v_new;
@@ -18,12 +30,95 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
   return {k, v, log_fgate};
 }
 
+void LayerCache::set_state(torch::Tensor& state, const torch::Tensor& last) const {
+  if (is_static()) {
+    state.copy_(last);
+  } else {
+    state = last.clone();  // not a view that would keep the whole projection alive
+  }
+}
+
+KVCache KVCache::allocate(const std::vector<LayerCacheShape>& shapes, int64_t batch,
+                          int64_t max_length, torch::ScalarType dtype, torch::Device device) {
+  TORCH_CHECK(batch >= 1, "KVCache::allocate: batch must be >= 1, got ", batch);
+  TORCH_CHECK(max_length >= 1, "KVCache::allocate: max_length must be >= 1, got ", max_length);
+  KVCache cache(static_cast<int64_t>(shapes.size()));
+  auto opts = torch::TensorOptions().dtype(dtype).device(device);
+  auto gate_opts = opts.dtype(dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& sh = shapes[i];
+    auto& l = cache.layers[i];
+    // Zeros, not garbage: keys past a row's length are never attended to, but NaN bit patterns
+    // would still be multiplied by zero probabilities in some kernels' tiles.
+    l.k = torch::zeros({batch, max_length, sh.num_kv_heads, sh.head_dim}, opts);
+    l.v = torch::zeros({batch, max_length, sh.num_kv_heads, sh.head_dim}, opts);
+    l.log_fgate = torch::zeros({batch, max_length, sh.num_heads}, gate_opts);
+    // A zero state is what the first token of a sequence sees (shift_mix without a state).
+    if (sh.key_shift) l.key_shift = torch::zeros({batch, sh.num_kv_heads * sh.head_dim}, opts);
+    if (sh.value_shift) l.value_shift = torch::zeros({batch, sh.num_kv_heads * sh.head_dim}, opts);
+  }
+  cache.lengths = torch::zeros({batch}, torch::TensorOptions().dtype(torch::kLong).device(device));
+  cache.max_length = max_length;
+  return cache;
+}
+
+void KVCache::begin_update(int64_t T) {
+  if (!is_static()) return;
+  TORCH_CHECK(length_bound + T <= max_length, "KVCache: ", T, " new tokens do not fit: the cache ",
+              "holds up to ", max_length, " tokens per row and a row may hold ", length_bound,
+              " already (allocate a larger max_length)");
+  auto positions = lengths.unsqueeze(1) + torch::arange(T, lengths.options());
+  auto seqlens = lengths + T;
+  for (auto& l : layers) {
+    l.positions = positions;
+    l.seqlens = seqlens;
+  }
+}
+
+void KVCache::finish_update(int64_t T) {
+  if (!is_static()) return;
+  lengths.add_(T);
+  length_bound += T;
+}
+
+KVCache KVCache::row(int64_t b) const {
+  TORCH_CHECK(is_static(), "KVCache::row: only a static cache has rows");
+  TORCH_CHECK(b >= 0 && b < lengths.size(0), "KVCache::row: row ", b, " out of range [0, ",
+              lengths.size(0), ")");
+  KVCache r(static_cast<int64_t>(layers.size()));
+  auto view = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, b, 1) : t; };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    r.layers[i].k = view(layers[i].k);
+    r.layers[i].v = view(layers[i].v);
+    r.layers[i].log_fgate = view(layers[i].log_fgate);
+    r.layers[i].key_shift = view(layers[i].key_shift);
+    r.layers[i].value_shift = view(layers[i].value_shift);
+  }
+  r.lengths = view(lengths);
+  if (seq_start) r.seq_start = view(*seq_start);
+  r.max_length = max_length;
+  r.length_bound = length_bound;
+  return r;
+}
+
 void KVCache::reset() {
+  if (is_static()) {  // keep the buffers, empty every row
+    lengths.zero_();
+    length_bound = 0;
+    for (auto& l : layers) {
+      if (l.key_shift.defined()) l.key_shift.zero_();
+      if (l.value_shift.defined()) l.value_shift.zero_();
+      l.positions = l.seqlens = torch::Tensor();
+    }
+    seq_start.reset();
+    return;
+  }
   for (auto& l : layers) l = LayerCache();
   seq_start.reset();
 }
 
 void KVCache::select_batch(const torch::Tensor& index) {
+  TORCH_CHECK(!is_static(), "KVCache::select_batch: a static cache keeps its rows");
   auto sel = [&](torch::Tensor& t) {
     if (t.defined()) t = t.index_select(0, index.to(t.device()));
   };

@@ -1,6 +1,14 @@
 #include <fox/nn/generation.h>
 
+#include <algorithm>
 #include <limits>
+
+#ifdef FOX_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace fox::nn {
 
@@ -23,21 +31,185 @@ torch::Tensor sample_next_token(const torch::Tensor& logits_in, const Generation
     auto mask = torch::zeros_like(remove).scatter(-1, idx, remove);
     logits = logits.masked_fill(mask, neg_inf);
   }
-  return torch::multinomial(logits.softmax(-1), 1).squeeze(-1);
+  // Gumbel-max: argmax(logits + G), G = -log(-log U), is a draw from softmax(logits).
+  auto u = torch::rand_like(logits).clamp_min_(std::numeric_limits<float>::min());
+  return (logits - torch::log(-torch::log(u))).argmax(-1);
 }
 
-torch::Tensor generate(ForgettingTransformerForCausalLM& model, const torch::Tensor& input_ids,
-                       const GenerationOptions& o) {
+// ---- GenerationSession --------------------------------------------------------------------------
+
+struct GenerationSession::Graph {
+#ifdef FOX_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  bool enabled = false;
+};
+
+namespace {
+
+std::vector<int64_t> stop_tokens_of(const ForgettingTransformerForCausalLM& model,
+                                    const GenerationOptions& o) {
+  std::vector<int64_t> stops = o.stop_tokens();
+  if (stops.empty() && model->config.eos_token_id()) stops.push_back(*model->config.eos_token_id());
+  return stops;
+}
+
+int64_t pad_id_of(const ForgettingTransformerForCausalLM& model, const GenerationOptions& o) {
+  return o.pad_token_id().value_or(model->config.pad_token_id().value_or(0));
+}
+
+}  // namespace
+
+GenerationSession::GenerationSession(ForgettingTransformerForCausalLM model,
+                                     const torch::Tensor& input_ids,
+                                     const GenerationOptions& options)
+    : model_(std::move(model)), options_(options), input_ids_(input_ids),
+      graph_(std::make_unique<Graph>()) {
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(1) > 0,
               "generate: input_ids must be a non-empty (batch, seqlen) tensor, got ",
               input_ids.sizes());
-  torch::NoGradGuard no_grad;
-  const auto& cfg = model->config;
-  std::vector<int64_t> stops = o.stop_tokens();
-  if (stops.empty() && cfg.eos_token_id()) stops.push_back(*cfg.eos_token_id());
-  const int64_t pad = o.pad_token_id().value_or(cfg.pad_token_id().value_or(0));
+  TORCH_CHECK(options.max_new_tokens() >= 0, "generate: max_new_tokens must be >= 0, got ",
+              options.max_new_tokens());
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  const int64_t max_length =
+      options.max_length() > 0 ? options.max_length()
+                               : T + std::max<int64_t>(options.max_new_tokens(), 1);
+  TORCH_CHECK(T <= max_length, "generate: the prompt (", T, " tokens) is longer than max_length (",
+              max_length, ")");
+  if (options.prompt_lengths() && options.prompt_lengths()->defined()) {
+    const auto& lengths = *options.prompt_lengths();
+    TORCH_CHECK(!(options.seq_start() && options.seq_start()->defined()),
+                "generate: give either prompt_lengths (right padding) or seq_start (left padding)");
+    TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, "generate: prompt_lengths must be (",
+                B, ",), got ", lengths.sizes());
+    const auto host = lengths.to(torch::kCPU, torch::kLong);
+    const int64_t lo = host.min().item<int64_t>(), hi = host.max().item<int64_t>();
+    TORCH_CHECK(lo >= 1 && hi <= T, "generate: prompt_lengths must lie in [1, ", T,
+                "] (the prompt's length), got min ", lo, " max ", hi);
+  }
+  const auto device = model_->model->embeddings->weight.device();
+  cache_ = model_->new_static_cache(B, max_length);
+  const auto long_opts = torch::TensorOptions().dtype(torch::kLong).device(device);
+  tokens_ = torch::zeros({B}, long_opts);
+  finished_ = torch::zeros({B}, long_opts.dtype(torch::kBool));
+  stop_tokens_ = torch::tensor(stop_tokens_of(model_, options), torch::kLong).to(device);
+  pad_id_ = pad_id_of(model_, options);
+  pad_ = torch::full({}, pad_id_, long_opts);
+#ifdef FOX_WITH_CUDA
+  graph_->enabled = options.cuda_graph() && device.is_cuda() &&
+                    !model_->config.log_pruning_tolerance().has_value();
+#endif
+}
 
+GenerationSession::~GenerationSession() = default;
+
+bool GenerationSession::uses_cuda_graph() const { return graph_->enabled; }
+
+int64_t GenerationSession::steps_left() const { return cache_.max_length - cache_.length_bound; }
+
+torch::Tensor GenerationSession::select_next(const torch::Tensor& logits) {
+  auto next = sample_next_token(logits, options_).to(torch::kLong);
+  next = torch::where(finished_, pad_, next);  // rows that have stopped emit padding
+  if (stop_tokens_.numel() > 0)
+    finished_.logical_or_((next.unsqueeze(1) == stop_tokens_.unsqueeze(0)).any(1));
+  tokens_.copy_(next);
+  return tokens_;
+}
+
+torch::Tensor GenerationSession::prefill() {
+  TORCH_CHECK(!prefilled_, "GenerationSession: prefill() runs once");
+  torch::NoGradGuard no_grad;
+  const int64_t T = input_ids_.size(1);
+  const int64_t chunk = options_.prefill_chunk_size() > 0 ? options_.prefill_chunk_size() : T;
+  const auto ids = input_ids_.to(cache_.lengths.device(), torch::kLong);
+  torch::Tensor last_logits;  // (B, vocab)
+  if (options_.prompt_lengths() && options_.prompt_lengths()->defined()) {
+    // Prompts of different lengths: each row is prefilled alone into its rows of the cache.
+    const auto lengths = options_.prompt_lengths()->to(torch::kCPU, torch::kLong);
+    std::vector<torch::Tensor> rows;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < ids.size(0); ++b) {
+      const int64_t n = lengths[b].item<int64_t>();
+      longest = std::max(longest, n);
+      KVCache row = cache_.row(b);
+      torch::Tensor logits;
+      for (int64_t s = 0; s < n; s += chunk)
+        logits = model_->forward(ids.narrow(0, b, 1).narrow(1, s, std::min(chunk, n - s)),
+                                 std::nullopt, &row);
+      rows.push_back(logits.select(1, logits.size(1) - 1));
+    }
+    cache_.length_bound = longest;
+    last_logits = torch::cat(rows);
+  } else {
+    std::optional<torch::Tensor> seq_start;
+    if (options_.seq_start() && options_.seq_start()->defined()) seq_start = options_.seq_start();
+    torch::Tensor logits;
+    for (int64_t s = 0; s < T; s += chunk)
+      logits = model_->forward(ids.narrow(1, s, std::min(chunk, T - s)), std::nullopt, &cache_,
+                               seq_start);
+    last_logits = logits.select(1, logits.size(1) - 1);
+  }
+  prefilled_ = true;
+  return select_next(last_logits).clone();
+}
+
+void GenerationSession::decode_step() {
+  auto logits = model_->forward(tokens_.unsqueeze(1), std::nullopt, &cache_);  // (B, 1, vocab)
+  select_next(logits.select(1, 0));
+}
+
+torch::Tensor GenerationSession::step() {
+  TORCH_CHECK(prefilled_, "GenerationSession: call prefill() before step()");
+  TORCH_CHECK(steps_left() > 0, "GenerationSession: the cache is full (max_length ",
+              cache_.max_length, " tokens per row); allocate a larger max_length");
+  torch::NoGradGuard no_grad;
+#ifdef FOX_WITH_CUDA
+  if (graph_->enabled) {
+    if (!graph_->graph) {
+      // This step runs eagerly on a side stream (it warms up cuBLAS and the kernels' one-time
+      // setup there), then the same body is captured; capturing runs nothing, so the host's
+      // bound of the lengths is put back afterwards.
+      auto current = c10::cuda::getCurrentCUDAStream();
+      auto side = c10::cuda::getStreamFromPool();
+      at::cuda::CUDAEvent ready;
+      ready.record(current);
+      ready.block(side);
+      graph_->graph = std::make_unique<at::cuda::CUDAGraph>();
+      {
+        c10::cuda::CUDAStreamGuard guard(side);
+        decode_step();
+        const int64_t bound = cache_.length_bound;
+        graph_->graph->capture_begin();
+        decode_step();
+        graph_->graph->capture_end();
+        cache_.length_bound = bound;
+      }
+      at::cuda::CUDAEvent done;
+      done.record(side);
+      done.block(current);
+      return tokens_.clone();
+    }
+    graph_->graph->replay();
+    cache_.length_bound += 1;
+    return tokens_.clone();
+  }
+#endif
+  decode_step();
+  return tokens_.clone();
+}
+
+// ---- generate -----------------------------------------------------------------------------------
+
+namespace {
+
+// The growing-cache path (static_cache(false)).
+torch::Tensor generate_dynamic(ForgettingTransformerForCausalLM& model,
+                               const torch::Tensor& input_ids, const GenerationOptions& o) {
+  TORCH_CHECK(!(o.prompt_lengths() && o.prompt_lengths()->defined()),
+              "generate: prompt_lengths needs the static cache (static_cache(true))");
+  const std::vector<int64_t> stops = stop_tokens_of(model, o);
+  const int64_t pad = pad_id_of(model, o);
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
   KVCache cache = model->new_cache();
   std::optional<torch::Tensor> seq_start;
   if (o.seq_start() && o.seq_start()->defined()) seq_start = o.seq_start();
@@ -54,11 +226,56 @@ torch::Tensor generate(ForgettingTransformerForCausalLM& model, const torch::Ten
     auto next = sample_next_token(logits.select(1, logits.size(1) - 1), o).to(torch::kLong);
     next = torch::where(finished, torch::full_like(next, pad), next);
     out.push_back(next.unsqueeze(1).to(input_ids.scalar_type()));
+    if (o.on_tokens()) o.on_tokens()(next);
     if (!stops.empty()) finished = finished | torch::isin(next, stop_t);
     if (step + 1 == o.max_new_tokens() || finished.all().item<bool>()) break;
     logits = model->forward(next.unsqueeze(1).to(input_ids.scalar_type()), std::nullopt, &cache);
   }
   return torch::cat(out, 1);
+}
+
+}  // namespace
+
+torch::Tensor generate(ForgettingTransformerForCausalLM& model, const torch::Tensor& input_ids,
+                       const GenerationOptions& o) {
+  TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(1) > 0,
+              "generate: input_ids must be a non-empty (batch, seqlen) tensor, got ",
+              input_ids.sizes());
+  torch::NoGradGuard no_grad;
+  if (!o.static_cache()) return generate_dynamic(model, input_ids, o);
+  if (o.max_new_tokens() == 0) return input_ids.clone();
+  GenerationSession session(model, input_ids, o);
+  const bool has_stops = !stop_tokens_of(model, o).empty();
+  // Generated tokens go into one device buffer; the host looks at `finished` only every
+  // kCheckEvery steps, so the replayed steps queue up without a synchronization per token.
+  constexpr int64_t kCheckEvery = 16;
+  const int64_t n_max = o.max_new_tokens();
+  auto generated = torch::empty({input_ids.size(0), n_max},
+                                input_ids.options().dtype(torch::kLong).device(
+                                    session.finished().device()));
+  int64_t n = 0;
+  auto emit = [&](const torch::Tensor& next) {
+    generated.select(1, n++).copy_(next);
+    if (o.on_tokens()) o.on_tokens()(next);
+  };
+  emit(session.prefill());
+  TORCH_CHECK(n_max - 1 <= session.steps_left(), "generate: max_new_tokens=", n_max,
+              " does not fit the cache: max_length=", o.max_length(), " holds the prompt and ",
+              session.steps_left() + 1, " new tokens");
+  while (n < n_max) {
+    if (has_stops && n % kCheckEvery == 0 && session.finished().all().item<bool>()) break;
+    emit(session.step());
+  }
+  auto gen = generated.narrow(1, 0, n);
+  if (has_stops) {
+    // Keep tokens up to the first step after which every row had stopped (what a loop that
+    // checked every step would have produced).
+    const auto stops = torch::tensor(stop_tokens_of(model, o), torch::kLong).to(gen.device());
+    auto stopped = std::get<0>(torch::isin(gen, stops).to(torch::kInt).cummax(1)).to(torch::kBool);
+    auto all_done = stopped.all(0).nonzero();
+    if (all_done.numel() > 0) gen = gen.narrow(1, 0, all_done[0].item<int64_t>() + 1);
+  }
+  return torch::cat({input_ids, gen.to(input_ids.device(), input_ids.scalar_type())}, 1);
 }
 
 }  // namespace fox::nn

@@ -151,6 +151,8 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     if (start && !cache->seq_start) cache->seq_start = *start;
     if (!start && cache->seq_start) start = cache->seq_start;
   }
+  const int64_t T = inputs_embeds.size(1);
+  if (cache) cache->begin_update(T);
   auto h = inputs_embeds;
   for (size_t i = 0; i < layers->size(); ++i) {
     auto* layer_cache = cache ? &cache->layers[i] : nullptr;
@@ -158,6 +160,7 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     h = block_runner_.fn ? block_runner_.fn(static_cast<int64_t>(i), h, layer_cache, start)
                          : block->forward(h, layer_cache, start);
   }
+  if (cache) cache->finish_update(T);
   return norm(h);
 }
 
@@ -194,6 +197,23 @@ void ForgettingTransformerForCausalLMImpl::reset_parameters() {
   }
   model->norm->reset_parameters();
   if (lm_head) torch::nn::init::normal_(lm_head->weight, 0.0, std);
+}
+
+KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
+    int64_t batch, int64_t max_length, std::optional<torch::ScalarType> dtype) const {
+  std::vector<LayerCacheShape> shapes;
+  for (const auto& m : model->layers->children()) {
+    const auto& attn = m->as<ForgettingTransformerBlockImpl>()->attn;
+    LayerCacheShape sh;
+    sh.num_heads = attn->options.num_heads();
+    sh.num_kv_heads = attn->num_kv_heads();
+    sh.head_dim = attn->head_dim();
+    sh.key_shift = static_cast<bool>(attn->k_shift_proj);
+    sh.value_shift = static_cast<bool>(attn->v_shift_proj);
+    shapes.push_back(sh);
+  }
+  const auto& w = model->embeddings->weight;
+  return KVCache::allocate(shapes, batch, max_length, dtype.value_or(w.scalar_type()), w.device());
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {

@@ -114,6 +114,10 @@ void init_nn_bindings(py::module_& parent) {
   FOX_FIELD(gopt, GenerationOptions, pad_token_id);
   FOX_FIELD(gopt, GenerationOptions, seq_start);
   FOX_FIELD(gopt, GenerationOptions, prefill_chunk_size);
+  FOX_FIELD(gopt, GenerationOptions, prompt_lengths);
+  FOX_FIELD(gopt, GenerationOptions, static_cache);
+  FOX_FIELD(gopt, GenerationOptions, cuda_graph);
+  FOX_FIELD(gopt, GenerationOptions, max_length);
 
   // ---- cache -----------------------------------------------------------------------------------
   py::class_<LayerCache>(m, "LayerCache")
@@ -126,6 +130,9 @@ void init_nn_bindings(py::module_& parent) {
   py::class_<KVCache, std::shared_ptr<KVCache>>(m, "KVCache")
       .def(py::init<int64_t>(), py::arg("num_layers") = 0)
       .def_readwrite("seq_start", &KVCache::seq_start)
+      .def_property_readonly("lengths", [](KVCache& c) { return c.lengths; })
+      .def_property_readonly("max_length", [](KVCache& c) { return c.max_length; })
+      .def_property_readonly("is_static", &KVCache::is_static)
       .def(
           "layer", [](KVCache& c, int64_t i) -> LayerCache& { return c.layers.at(i); },
           py::arg("index"), py::return_value_policy::reference_internal)
@@ -220,6 +227,12 @@ void init_nn_bindings(py::module_& parent) {
              return std::make_shared<KVCache>(s.new_cache());
            })
       .def(
+          "new_static_cache",
+          [](ForgettingTransformerForCausalLMImpl& s, int64_t batch, int64_t max_length) {
+            return std::make_shared<KVCache>(s.new_static_cache(batch, max_length));
+          },
+          py::arg("batch"), py::arg("max_length"))
+      .def(
           "generate",
           [](std::shared_ptr<ForgettingTransformerForCausalLMImpl> self,
              const torch::Tensor& input_ids, const GenerationOptions& options) {
@@ -230,6 +243,20 @@ void init_nn_bindings(py::module_& parent) {
           py::arg("input_ids"), py::arg("options"))
       .def_property_readonly("config",
                              [](ForgettingTransformerForCausalLMImpl& s) { return s.config; });
+
+  // ---- generation, one step at a time (streaming) ------------------------------------------------
+  py::class_<GenerationSession, std::shared_ptr<GenerationSession>>(m, "GenerationSession")
+      .def(py::init([](std::shared_ptr<ForgettingTransformerForCausalLMImpl> model,
+                       const torch::Tensor& input_ids, const GenerationOptions& options) {
+             return std::make_shared<GenerationSession>(ForgettingTransformerForCausalLM(model),
+                                                        input_ids, options);
+           }),
+           py::arg("model"), py::arg("input_ids"), py::arg("options"))
+      .def("prefill", &GenerationSession::prefill, py::call_guard<py::gil_scoped_release>())
+      .def("step", &GenerationSession::step, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("finished", &GenerationSession::finished)
+      .def_property_readonly("steps_left", &GenerationSession::steps_left)
+      .def_property_readonly("uses_cuda_graph", &GenerationSession::uses_cuda_graph);
 
   // ---- checkpoints (HF format: config.json + model.safetensors) --------------------------------
   m.def("config_to_json", &config_to_json, py::arg("config"),

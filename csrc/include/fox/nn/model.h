@@ -178,6 +178,10 @@ class ForgettingTransformerForCausalLMImpl
   torch::Tensor logits(const torch::Tensor& hidden_states);
   /// A fresh, empty cache for this model.
   KVCache new_cache() const { return KVCache(config.num_hidden_layers()); }
+  /// A static cache (see cache.h) for `batch` rows of up to `max_length` tokens; K and V in
+  /// `dtype` (default: the dtype of the weights), on the weights' device.
+  KVCache new_static_cache(int64_t batch, int64_t max_length,
+                           std::optional<torch::ScalarType> dtype = std::nullopt) const;
 
   ForgettingTransformerConfig config;
   ForgettingTransformerModel model{nullptr};

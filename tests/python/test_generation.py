@@ -1,0 +1,176 @@
+"""Generation on the static cache: cached decoding equals full forward passes for every
+architecture, with GQA, left padding, prompts of different lengths and chunked prefill (KV-shift
+carried); the static cache equals the growing one; streaming yields generate's tokens; bad input
+is a clear error. On a GPU the replayed CUDA graph equals the eager step bit for bit."""
+import pytest
+import torch
+
+from forgetting_transformer import nn as fnn
+
+ARCHS = ["fox_llama", "fox_pro", "transformer_llama", "transformer_pro"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def tiny_model(arch, kv_heads=2, dtype=torch.float64, device="cpu", seed=0):
+    c = fnn.ForgettingTransformerConfig(vocab_size=61, hidden_size=64, num_hidden_layers=2,
+                                        num_heads=4, num_kv_heads=kv_heads).preset(arch)
+    model = fnn.ForgettingTransformerForCausalLM(c)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # random weights far from the init, so that tokens differ per position
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def greedy_by_full_forward(model, ids, n, seq_start=None):
+    """The reference: n greedy tokens, each from a full forward over everything so far, plus the
+    last-position logits of each step."""
+    seq, logits = ids, []
+    with torch.no_grad():
+        for _ in range(n):
+            last = model(seq, seq_start=seq_start)[:, -1]
+            logits.append(last)
+            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+    return seq, torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_static_cache_equals_full_forward(arch, kv_heads):
+    model = tiny_model(arch, kv_heads)
+    ids = torch.randint(0, 61, (3, 9))
+    ref, _ = greedy_by_full_forward(model, ids, 6)
+    assert torch.equal(model.generate(ids, max_new_tokens=6), ref)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, prefill_chunk_size=4), ref)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, static_cache=False), ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_of_cached_steps(arch):
+    """The static cache's one-token forwards give the full forward's logits (float64: to
+    rounding)."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, 61, (2, 12))
+    full = model(ids)
+    cache = model.new_static_cache(2, 16)
+    with torch.no_grad():
+        parts = [model(ids[:, :5], cache=cache)]
+        for t in range(5, 12):
+            parts.append(model(ids[:, t:t + 1], cache=cache))
+    assert cache.is_static and cache.lengths.tolist() == [12, 12]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 61, (3, 10))
+    seq_start = torch.tensor([0, 4, 7])
+    static = model.generate(ids, max_new_tokens=5, seq_start=seq_start)
+    dynamic = model.generate(ids, max_new_tokens=5, seq_start=seq_start, static_cache=False)
+    assert torch.equal(static, dynamic)
+    for b in range(3):  # each row alone, without its padding
+        alone = model.generate(ids[b:b + 1, seq_start[b]:], max_new_tokens=5)
+        assert torch.equal(static[b, -5:], alone[0, -5:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_prompts_of_different_lengths(arch, chunk):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 61, (4, 11))
+    lengths = torch.tensor([11, 1, 6, 9])
+    out = model.generate(ids, max_new_tokens=6, prompt_lengths=lengths, prefill_chunk_size=chunk)
+    assert out.shape == (4, 17)
+    for b, n in enumerate(lengths.tolist()):
+        ref, _ = greedy_by_full_forward(model, ids[b:b + 1, :n], 6)
+        assert torch.equal(out[b, 11:], ref[0, n:])
+
+
+def test_stop_tokens_and_padding():
+    model = tiny_model("fox_pro")
+    ids = torch.randint(0, 61, (2, 6))
+    free = model.generate(ids, max_new_tokens=8)
+    stop = int(free[0, 8])  # row 0 stops at its third new token
+    for static in (True, False):
+        out = model.generate(ids, max_new_tokens=8, stop_tokens=[stop], pad_token_id=0,
+                             static_cache=static)
+        ref = model.generate(ids, max_new_tokens=8, stop_tokens=[stop], pad_token_id=0,
+                             static_cache=False)
+        assert torch.equal(out, ref)
+        assert torch.all(out[0, 9:] == 0)
+
+
+def test_streaming_yields_the_generated_tokens():
+    model = tiny_model("fox_pro")
+    ids = torch.randint(0, 61, (2, 7))
+    out = model.generate(ids, max_new_tokens=9)
+    streamed = list(model.stream(ids, max_new_tokens=9))
+    assert len(streamed) == 9 and all(t.shape == (2,) for t in streamed)
+    assert torch.equal(torch.stack(streamed, 1), out[:, 7:])
+
+
+def test_sampling_inside_the_step():
+    torch.manual_seed(0)
+    model = tiny_model("fox_llama")
+    ids = torch.randint(0, 61, (64, 4))
+    out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.8, top_k=7,
+                         top_p=0.9)
+    assert out.shape == (64, 7) and torch.equal(out[:, :4], ids)
+    # top_k=1 leaves one candidate: sampling is the greedy choice.
+    one = model.generate(ids, max_new_tokens=3, do_sample=True, top_k=1)
+    assert torch.equal(one, model.generate(ids, max_new_tokens=3))
+
+
+def test_gumbel_sampling_follows_the_softmax():
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(40000, 1)
+    opts = fnn.GenerationOptions(do_sample=True, temperature=1.0)
+    counts = torch.bincount(fnn.sample_next_token(logits, opts), minlength=4).double()
+    torch.testing.assert_close(counts / counts.sum(), logits[0].softmax(-1).double(),
+                               atol=0.01, rtol=0)
+
+
+def test_bad_input_is_a_clear_error():
+    model = tiny_model("fox_pro")
+    ids = torch.randint(0, 61, (2, 8))
+    with pytest.raises(RuntimeError, match="max_length"):
+        model.generate(ids, max_new_tokens=4, max_length=6)  # prompt longer than the cache
+    with pytest.raises(RuntimeError, match="max_new_tokens"):
+        model.generate(ids, max_new_tokens=6, max_length=10)  # overflows while generating
+    with pytest.raises(RuntimeError, match="prompt_lengths"):
+        model.generate(ids, max_new_tokens=2, prompt_lengths=torch.tensor([8, 9]))
+    with pytest.raises(RuntimeError, match="prompt_lengths"):
+        model.generate(ids, max_new_tokens=2, prompt_lengths=torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="prompt_lengths"):
+        model.generate(ids, max_new_tokens=2, prompt_lengths=torch.tensor([3]))
+    cache = model.new_static_cache(2, 8)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(RuntimeError, match="do not fit"):
+            model(ids[:, :1], cache=cache)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_graph_equals_eager_bitwise(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 61, (3, 40), device="cuda")
+    lengths = torch.tensor([40, 17, 33])
+    for opts in (dict(), dict(prompt_lengths=lengths), dict(seq_start=torch.tensor([0, 5, 9]))):
+        graph = model.generate(ids, max_new_tokens=20, cuda_graph=True, **opts)
+        eager = model.generate(ids, max_new_tokens=20, cuda_graph=False, **opts)
+        assert torch.equal(graph, eager), opts
+    session = fnn.GenerationSession(model.cpp_module, ids,
+                                    fnn.GenerationOptions(max_new_tokens=4))
+    assert session.uses_cuda_graph
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_cuda_graph_greedy_equals_full_forward():
+    model = tiny_model("fox_pro", dtype=torch.float32, device="cuda")
+    ids = torch.randint(0, 61, (2, 30), device="cuda")
+    ref, _ = greedy_by_full_forward(model, ids, 12)
+    assert torch.equal(model.generate(ids, max_new_tokens=12), ref)
