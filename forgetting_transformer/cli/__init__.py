@@ -113,7 +113,7 @@ def cmd_generate(args):
     from .generate import generate
     generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-             greedy=args.greedy, seed=args.seed, models=args.models)
+             greedy=args.greedy, seed=args.seed, models=args.models, device=args.device)
 
 
 def cmd_run(args):
@@ -183,6 +183,7 @@ def make_parser():
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", default=None, help="comma-separated subset of the checkpoint's models")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the Forgetting Attention op against the plain formula")

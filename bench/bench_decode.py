@@ -1,0 +1,116 @@
+"""Decoding kernel against SDPA without a gate: one (or a few) query tokens against a long cache.
+
+For every shape of the grid (B, H / Hkv, D, Tk) both run on the same tensors in one process, with
+CUDA events, after warm-up, L2 flushed before every repetition (decoding reads the cache from HBM
+in a real model: the previous layers evicted it), median of the repetitions. Next to each time:
+the floor, the bytes that must be read (K, V, and for ours log f) over the measured copy bandwidth.
+
+    python3 bench/bench_decode.py                 # the full grid (B 1/8/64, five head layouts, D
+                                                  # 64/128, Tk 2k-128k), bf16, Tq = 1
+    python3 bench/bench_decode.py --quick --tq 1 4 16 --out DIR
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+import forgetting_transformer  # noqa: F401  (loads the ops)
+
+GRID_B = (1, 8, 64)
+GRID_HEADS = ((16, 16), (32, 32), (32, 8), (32, 4), (12, 12))
+GRID_D = (64, 128)
+GRID_TK = (2048, 8192, 32768, 131072)
+
+
+def timed_us(fn, flush, reps):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(flush):
+    """HBM bandwidth of a large device copy (bytes read + written per second)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = timed_us(lambda: y.copy_(x), flush, 10)
+    return 2 * x.numel() / (us * 1e-6)
+
+
+def causal_mask(tq, tk, device):
+    """The last tq of tk positions, causal (SDPA's is_causal aligns to the top-left)."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a subset: B 1/8, Tk 8k/32k")
+    ap.add_argument("--tq", type=int, nargs="+", default=[1])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose cache is larger")
+    ap.add_argument("--out", default=None, help="write decode.json and decode.md here")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    fwd = torch.ops.fox.forgetting_attention_fwd
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    bandwidth = copy_bandwidth(flush)
+    device = torch.cuda.get_device_name()
+    print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    grid_b = (1, 8) if args.quick else GRID_B
+    grid_tk = (8192, 32768) if args.quick else GRID_TK
+    rows = []
+    header = ("| Tq | B | H / Hkv | D | Tk | floor us (ours / SDPA) | ours us | SDPA us | ours/SDPA "
+              "| ours % of bw |")
+    print(header + "\n" + "|---" * 10 + "|")
+    for tq in args.tq:
+        for B in grid_b:
+            for H, Hkv in GRID_HEADS:
+                for D in GRID_D:
+                    for Tk in grid_tk:
+                        kv_bytes = 2 * B * Tk * Hkv * D * dtype.itemsize
+                        gate_bytes = 4 * B * Tk * H
+                        if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
+                            continue
+                        q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
+                        k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
+                        v = torch.randn_like(k)
+                        g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
+                        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+                        mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
+                        ours = timed_us(lambda: fwd(q, k, v, g), flush, args.reps)
+                        sdpa = timed_us(lambda: F.scaled_dot_product_attention(
+                            qh, kh, vh, attn_mask=mask, enable_gqa=Hkv < H), flush, args.reps)
+                        floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
+                        floor_sdpa = kv_bytes / bandwidth * 1e6
+                        row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
+                                   sdpa_us=sdpa, ratio=ours / sdpa, floor_ours_us=floor_ours,
+                                   floor_sdpa_us=floor_sdpa, bw_fraction=floor_ours / ours)
+                        rows.append(row)
+                        print(f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
+                              f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
+                              f"{100 * floor_ours / ours:.0f}% |", flush=True)
+                        del q, k, v, g, qh, kh, vh
+    worst = max(rows, key=lambda r: r["ratio"])
+    within = sum(r["ratio"] <= 1.1 for r in rows)
+    print(f"{within}/{len(rows)} shapes within 1.1x of SDPA; worst {worst['ratio']:.2f}x at "
+          f"B={worst['B']} H={worst['H']}/{worst['Hkv']} D={worst['D']} Tk={worst['Tk']}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode.json"), "w") as f:
+            json.dump(dict(device=device, bandwidth=bandwidth, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
