@@ -8,6 +8,8 @@ the floor, the bytes that must be read (K, V, and for ours log f) over the measu
     python3 bench/bench_decode.py                 # the full grid (B 1/8/64, five head layouts, D
                                                   # 64/128, Tk 2k-128k), bf16, Tq = 1
     python3 bench/bench_decode.py --quick --tq 1 4 16 --out DIR
+    python3 bench/bench_decode.py --profile 1,32,4,64,2048 8,16,16,128,32768   # B,H,Hkv,D,Tk:
+                                                  # the kernels of each side, with their times
 """
 import argparse
 import json
@@ -53,6 +55,34 @@ def causal_mask(tq, tk, device):
     return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
+def profile(shapes, dtype, tq):
+    """Kernel names and device times of ours and SDPA for a few shapes (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    fwd = torch.ops.fox.forgetting_attention_fwd
+    for shape in shapes:
+        B, H, Hkv, D, Tk = (int(x) for x in shape.split(","))
+        q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+        mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
+        sides = {"ours": lambda: fwd(q, k, v, g),
+                 "SDPA": lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                                                enable_gqa=Hkv < H)}
+        for name, fn in sides.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"--- {name} B={B} H={H}/{Hkv} D={D} Tk={Tk} Tq={tq} (20 calls)")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6,
+                                            max_name_column_width=70))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a subset: B 1/8, Tk 8k/32k")
@@ -61,8 +91,12 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose cache is larger")
     ap.add_argument("--out", default=None, help="write decode.json and decode.md here")
+    ap.add_argument("--profile", nargs="+", metavar="B,H,HKV,D,TK",
+                    help="only list the kernels of these shapes with their times")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.profile:
+        return profile(args.profile, dtype, args.tq[0])
     fwd = torch.ops.fox.forgetting_attention_fwd
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bandwidth = copy_bandwidth(flush)

@@ -141,7 +141,10 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     const torch::Tensor& inputs_embeds, KVCache* cache,
     const std::optional<torch::Tensor>& seq_start) {
   std::optional<torch::Tensor> start;
-  if (seq_start.has_value() && seq_start->defined()) start = seq_start;
+  // On the embeddings' device and as int64 once, here: a copy inside every layer would be a
+  // host-to-device copy in each decoding step (not allowed while a CUDA graph captures it).
+  if (seq_start.has_value() && seq_start->defined())
+    start = seq_start->to(inputs_embeds.device(), torch::kLong);
   if (cache) {
     if (cache->layers.size() != layers->size()) {
       TORCH_CHECK(cache->length() == 0, "KVCache has ", cache->layers.size(),

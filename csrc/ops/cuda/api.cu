@@ -86,7 +86,7 @@ bool decode_kernel_enabled() {
 // Chunks of the decoding kernel per row. Blocks run in waves of (resident blocks per SM x SMs); a
 // last wave that is mostly empty costs as much as a full one. So, as FlashAttention's split
 // heuristic does, take the fewest chunks whose wave efficiency (blocks / (waves x wave size)) is
-// within 85% of the best, with at least two 64-key tiles per chunk. A function of the shapes and
+// within 85% of the best, with at least two key tiles per chunk. A function of the shapes and
 // the device only (never of the lengths in device memory), so a captured CUDA graph replays the
 // same plan. FOX_DECODE_SPLITS overrides it (tuning).
 int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
@@ -96,7 +96,8 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   }();
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
-  const int64_t key_tiles = (p.seqlen_k + 63) / 64;
+  const int64_t keys_per_tile = decode_keys_per_tile(static_cast<int>(p.head_dim));
+  const int64_t key_tiles = (p.seqlen_k + keys_per_tile - 1) / keys_per_tile;
   const int64_t wave = static_cast<int64_t>(blocks_per_sm) *
                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_splits =

@@ -27,13 +27,12 @@
 namespace fox::cuda::decode {
 
 constexpr int kRows = 16;   // rows of the packed query tile (one MMA m-tile)
-// Keys per tile: 16 or 32 for each of the 4 warps (kWarpKeySteps 16-key MMA steps). A tile costs
-// two barriers and a gate scan, so head dim 64 takes 128 keys to move as many bytes per tile as
-// head dim 128 does with 64.
+// Keys per tile (decode_keys_per_tile): 16 or 32 for each of the 4 warps (kWarpKeySteps 16-key
+// MMA steps).
 template <int kHeadDim>
-constexpr int kWarpKeySteps = kHeadDim <= 64 ? 2 : 1;
+constexpr int kKeysOf = decode_keys_per_tile(kHeadDim);
 template <int kHeadDim>
-constexpr int kKeysOf = 64 * kWarpKeySteps<kHeadDim>;
+constexpr int kWarpKeySteps = kKeysOf<kHeadDim> / 64;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxSplits = kDecodeMaxSplits;  // the combine keeps a weight per chunk in shared memory
@@ -56,8 +55,12 @@ struct Smem {
   static constexpr int kQ = 0;                          // Q tile (16 rows)
   static constexpr int kKV = kRows * kHeadDim;          // stage s: K at kKV + 2s tiles, V after it
   static constexpr int kElems = kKV + 2 * kStages<kHeadDim> * kTileElems;
-  static constexpr size_t kGateOffset = sizeof(uint16_t) * kElems;  // float gates[stage][row][key]
-  static constexpr size_t kROffset = kGateOffset + sizeof(float) * kStages<kHeadDim> * kRows * kKeys;
+  // float gates[stage][head slot][key], slot rows padded by 4 floats: loaded head-fastest, the
+  // (up to 8) slots of one key fall on different banks.
+  static constexpr int kGStride = kKeys + 4;
+  static constexpr int kGStage = kRows * kGStride;
+  static constexpr size_t kGateOffset = sizeof(uint16_t) * kElems;
+  static constexpr size_t kROffset = kGateOffset + sizeof(float) * kStages<kHeadDim> * kGStage;
   // R rows padded by 8 floats: the 8 rows a warp reads at once fall on different banks.
   static constexpr int kRStride = kKeys + 8;
   static constexpr size_t kRqOffset = kROffset + sizeof(float) * kRows * kRStride;
@@ -124,15 +127,19 @@ __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* 
   }
 }
 
-// Gates of the tile's heads for keys j0..j0+63 (zero past the end of the row).
-template <int kKeys>
+// Gates of the tile's nh heads for keys j0..j0+kKeys-1 (zero past the end of the row). Threads
+// walk the gates in memory order: heads fastest when they are adjacent (the (B, T, H) layout: a
+// warp reads whole 32-byte sectors of a KV group's heads), keys fastest otherwise (head-first).
+template <int kKeys, int kGStride>
 __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_t g_row,
                                                int64_t g_head, int nh, int64_t j0, int64_t len) {
+  const bool heads_fastest = g_head == 1 && nh > 1;
   for (int idx = threadIdx.x; idx < nh * kKeys; idx += kThreads) {
-    const int slot = idx / kKeys, key = idx % kKeys;
+    const int slot = heads_fastest ? idx % nh : idx / kKeys;
+    const int key = heads_fastest ? idx / nh : idx % kKeys;
     const bool valid = j0 + key < len;
     const int64_t j = valid ? j0 + key : 0;
-    cp_async_4(Gs + slot * kKeys + key, g + j * g_row + slot * g_head, valid);
+    cp_async_4(Gs + slot * kGStride + key, g + j * g_row + slot * g_head, valid);
   }
 }
 
@@ -162,6 +169,11 @@ __global__ void __launch_bounds__(kThreads)
   float* Rs = reinterpret_cast<float*>(smem_raw + L::kROffset);   // [head slot][key], log2 units
   float* Rq = reinterpret_cast<float*>(smem_raw + L::kRqOffset);  // [row], log2 units
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Every block has started: the combine kernel may launch and wait (programmatic dependent
+  // launch), so its launch latency overlaps this kernel instead of following it.
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group_id = lane >> 2, quad = lane & 3;
   const DecodeTile t = decode_tile(p, split.num_splits, kKeys);
@@ -210,8 +222,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t j0 = (t.tile_hi - it) * kKeys;
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
                                 kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
-      load_gate_tile<kKeys>(Gs + stage * kRows * kKeys, gbase, p.g_row_stride, p.g_head_stride, t.nh, j0,
-                     s.len_k);
+      load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
+                                         p.g_head_stride, t.nh, j0, s.len_k);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
   };
@@ -254,7 +266,7 @@ __global__ void __launch_bounds__(kThreads)
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (t.tile_hi - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
-    const float* G = Gs + stage * kRows * kKeys;
+    const float* G = Gs + stage * L::kGStage;
 #pragma unroll
     for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
@@ -262,7 +274,7 @@ __global__ void __launch_bounds__(kThreads)
       float x[kPerLane], lane_sum = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
-        x[e] = G[slot * kKeys + kPerLane * lane + e];
+        x[e] = G[slot * L::kGStride + kPerLane * lane + e];
         lane_sum += x[e];
       }
       const float incl = warp_inclusive_suffix_scan(lane_sum, lane);
@@ -441,6 +453,9 @@ template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(128)
     decode_combine_kernel(const ForwardParams p, const DecodeSplit split) {
   __shared__ float weight[4][kMaxSplits];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the chunks' partial results are written
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t total_rows = p.batch * p.seqlen_q;
   const int64_t item = blockIdx.x * 4 + warp;
@@ -526,8 +541,20 @@ void run_decode_forward(const ForwardParams& p, int num_splits, float* out_parti
   kernel<<<grid, kThreads, smem, stream>>>(p, split);
   if (num_splits > 1) {
     const int64_t items = p.batch * p.seqlen_q * p.num_heads;
-    decode_combine_kernel<T, kHeadDim>
-        <<<static_cast<unsigned>((items + 3) / 4), 128, 0, stream>>>(p, split);
+    // On sm_90+ the combine is a programmatic dependent launch (griddepcontrol above).
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>((items + 3) / 4));
+    config.blockDim = dim3(128);
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = major >= 9 ? 1 : 0;
+    cudaLaunchKernelEx(&config, decode_combine_kernel<T, kHeadDim>, p, split);
   }
 }
 

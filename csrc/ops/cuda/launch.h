@@ -70,6 +70,9 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
 // num_splits > 1 the workspaces are (num_splits, num_heads, batch * seqlen_q, head_dim),
 // (num_splits, num_heads, batch * seqlen_q) and (num_splits, batch, num_heads) float32.
 constexpr int kDecodeMaxSplits = 256;
+// Keys per tile of the decoding kernel: head dim 64 takes 128 keys to move as many bytes per tile
+// (two barriers and a gate scan) as head dim 128 does with 64.
+constexpr int decode_keys_per_tile(int head_dim) { return head_dim <= 64 ? 128 : 64; }
 template <typename T, int kHeadDim>
 int decode_blocks_per_sm();
 template <typename T, int kHeadDim>

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One round on a GPU machine: build for sm_90a, run the CUDA tests, then the benchmarks, writing
+# logs and JSON under $OUT (default runs/gpu_round). Stages are chosen by name:
+#
+#   bash bench/gpu_round.sh build tests decode generate
+#
+# build      pip install -e . (FOX_BUILD_TESTS=0, TORCH_CUDA_ARCH_LIST=9.0a unless set)
+# tests      pytest -m cuda (bad-argument cases deselected: see NOTES, "Hygiene run")
+# decode     bench_decode.py, the full grid (Tq = 1) and Tq 4/16 on the quick grid
+# generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
+# model      bench_model.py (training step), for the cost of the wrapper layers
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_round}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+for stage in "$@"; do
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    build)
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} FOX_BUILD_TESTS=0 MAX_JOBS=$(nproc) \
+        python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/fox_build.log 2>&1 \
+        || { tail -40 /tmp/fox_build.log; exit 1; } ;;
+    tests)
+      python3 -m pytest tests/python -m cuda -k "not bad" -q -x -p no:cacheprovider \
+        > "$OUT/tests.log" 2>&1 || status=1
+      tail -15 "$OUT/tests.log" ;;
+    decode)
+      python3 bench/bench_decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -3
+      python3 bench/bench_decode.py --quick --tq 4 16 2>&1 | tee "$OUT/decode_tq.log" | tail -2 ;;
+    generate)
+      python3 bench/bench_generate.py --out "$OUT" 2>&1 | tee "$OUT/generate.log"
+      python3 bench/bench_generate.py --model 760m --batch 1 --prompt 32768 131072 --new 64 \
+        --no-compile 2>&1 | tee "$OUT/generate_760m.log" ;;
+    model)
+      python3 bench/bench_model.py 2>&1 | tee "$OUT/model.log" | tail -20 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+exit $status
