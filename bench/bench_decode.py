@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose cache is larger")
     ap.add_argument("--out", default=None, help="write decode.json and decode.md here")
+    ap.add_argument("--shapes", nargs="+", metavar="B,H,HKV,D,TK",
+                    help="time these shapes instead of the grid")
     ap.add_argument("--profile", nargs="+", metavar="B,H,HKV,D,TK",
                     help="only list the kernels of these shapes with their times")
     args = ap.parse_args()
@@ -108,34 +110,34 @@ def main():
     header = ("| Tq | B | H / Hkv | D | Tk | floor us (ours / SDPA) | ours us | SDPA us | ours/SDPA "
               "| ours % of bw |")
     print(header + "\n" + "|---" * 10 + "|")
+    shapes = ([tuple(int(x) for x in sh.split(",")) for sh in args.shapes] if args.shapes else
+              [(B, H, Hkv, D, Tk) for B in grid_b for H, Hkv in GRID_HEADS for D in GRID_D
+               for Tk in grid_tk])
     for tq in args.tq:
-        for B in grid_b:
-            for H, Hkv in GRID_HEADS:
-                for D in GRID_D:
-                    for Tk in grid_tk:
-                        kv_bytes = 2 * B * Tk * Hkv * D * dtype.itemsize
-                        gate_bytes = 4 * B * Tk * H
-                        if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
-                            continue
-                        q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
-                        k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
-                        v = torch.randn_like(k)
-                        g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
-                        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-                        mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
-                        ours = timed_us(lambda: fwd(q, k, v, g), flush, args.reps)
-                        sdpa = timed_us(lambda: F.scaled_dot_product_attention(
-                            qh, kh, vh, attn_mask=mask, enable_gqa=Hkv < H), flush, args.reps)
-                        floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
-                        floor_sdpa = kv_bytes / bandwidth * 1e6
-                        row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
-                                   sdpa_us=sdpa, ratio=ours / sdpa, floor_ours_us=floor_ours,
-                                   floor_sdpa_us=floor_sdpa, bw_fraction=floor_ours / ours)
-                        rows.append(row)
-                        print(f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
-                              f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
-                              f"{100 * floor_ours / ours:.0f}% |", flush=True)
-                        del q, k, v, g, qh, kh, vh
+        for B, H, Hkv, D, Tk in shapes:
+            kv_bytes = 2 * B * Tk * Hkv * D * dtype.itemsize
+            gate_bytes = 4 * B * Tk * H
+            if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
+                continue
+            q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
+            k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
+            v = torch.randn_like(k)
+            g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
+            qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+            mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
+            ours = timed_us(lambda: fwd(q, k, v, g), flush, args.reps)
+            sdpa = timed_us(lambda: F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, enable_gqa=Hkv < H), flush, args.reps)
+            floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
+            floor_sdpa = kv_bytes / bandwidth * 1e6
+            row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
+                       sdpa_us=sdpa, ratio=ours / sdpa, floor_ours_us=floor_ours,
+                       floor_sdpa_us=floor_sdpa, bw_fraction=floor_ours / ours)
+            rows.append(row)
+            print(f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
+                  f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
+                  f"{100 * floor_ours / ours:.0f}% |", flush=True)
+            del q, k, v, g, qh, kh, vh
     worst = max(rows, key=lambda r: r["ratio"])
     within = sum(r["ratio"] <= 1.1 for r in rows)
     print(f"{within}/{len(rows)} shapes within 1.1x of SDPA; worst {worst['ratio']:.2f}x at "

@@ -86,9 +86,11 @@ bool decode_kernel_enabled() {
 // Chunks of the decoding kernel per row. Blocks run in waves of (resident blocks per SM x SMs); a
 // last wave that is mostly empty costs as much as a full one. So, as FlashAttention's split
 // heuristic does, take the fewest chunks whose wave efficiency (blocks / (waves x wave size)) is
-// within 85% of the best, with at least two key tiles per chunk. A function of the shapes and
-// the device only (never of the lengths in device memory), so a captured CUDA graph replays the
-// same plan. FOX_DECODE_SPLITS overrides it (tuning).
+// within 85% of the best. Candidates are whole numbers of key tiles per chunk, so the chunks of the
+// longest row are equal (no empty blocks); a small cache that cannot fill the GPU gets one tile per
+// chunk, every tile's load in flight at once (latency, not bandwidth, bounds it). A function of the
+// shapes and the device only (never of the lengths in device memory), so a captured CUDA graph
+// replays the same plan. FOX_DECODE_SPLITS overrides it (tuning).
 int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   static const int override_splits = [] {
     const char* v = std::getenv("FOX_DECODE_SPLITS");
@@ -97,20 +99,23 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
   const int64_t keys_per_tile = decode_keys_per_tile(static_cast<int>(p.head_dim));
-  const int64_t key_tiles = (p.seqlen_k + keys_per_tile - 1) / keys_per_tile;
+  const int64_t key_tiles = std::max<int64_t>(1, (p.seqlen_k + keys_per_tile - 1) / keys_per_tile);
   const int64_t wave = static_cast<int64_t>(blocks_per_sm) *
                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t max_splits =
-      std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, key_tiles / 2));
+  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, key_tiles);
   if (override_splits > 0) return static_cast<int>(std::min<int64_t>(override_splits, max_splits));
+  auto splits_of = [&](int64_t tiles_per_chunk) {
+    return (key_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
+  };
   auto efficiency = [&](int64_t splits) {
     const int64_t blocks = base * splits, waves = (blocks + wave - 1) / wave;
     return static_cast<double>(blocks) / static_cast<double>(waves * wave);
   };
+  const int64_t min_tiles = (key_tiles + max_splits - 1) / max_splits;
   double best = 0.0;
-  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
-  for (int64_t s = 1; s <= max_splits; ++s)
-    if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+  for (int64_t c = min_tiles; c <= key_tiles; ++c) best = std::max(best, efficiency(splits_of(c)));
+  for (int64_t c = key_tiles; c >= min_tiles; --c)
+    if (efficiency(splits_of(c)) >= 0.85 * best) return static_cast<int>(splits_of(c));
   return 1;
 }
 

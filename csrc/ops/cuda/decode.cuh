@@ -20,6 +20,8 @@
 // rq_i = -sum_{l=P_i+1..P_last} log f_l (at most 15 terms; every block computes it).
 #pragma once
 
+#include <cstdlib>
+
 #include "common.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -132,8 +134,9 @@ __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* 
 // warp reads whole 32-byte sectors of a KV group's heads), keys fastest otherwise (head-first).
 template <int kKeys, int kGStride>
 __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_t g_row,
-                                               int64_t g_head, int nh, int64_t j0, int64_t len) {
-  const bool heads_fastest = g_head == 1 && nh > 1;
+                                               int64_t g_head, int nh, int64_t j0, int64_t len,
+                                               bool heads_order) {
+  const bool heads_fastest = heads_order && g_head == 1 && nh > 1;
   for (int idx = threadIdx.x; idx < nh * kKeys; idx += kThreads) {
     const int slot = heads_fastest ? idx % nh : idx / kKeys;
     const int key = heads_fastest ? idx / nh : idx % kKeys;
@@ -150,6 +153,7 @@ struct DecodeSplit {
   float* out_partial = nullptr;
   float* lse_partial = nullptr;  // log2 domain, without the carry of the chunks above
   float* gate_total = nullptr;   // sum of log f over the chunk's tiles, per head
+  bool gates_heads_order = true;  // FOX_DECODE_GATES_KEYS_FASTEST=1: the other order (A/B)
 };
 
 template <typename T, int kHeadDim>
@@ -223,7 +227,8 @@ __global__ void __launch_bounds__(kThreads)
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
                                 kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
       load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
-                                         p.g_head_stride, t.nh, j0, s.len_k);
+                                         p.g_head_stride, t.nh, j0, s.len_k,
+                                         split.gates_heads_order);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
   };
@@ -533,7 +538,8 @@ void run_decode_forward(const ForwardParams& p, int num_splits, float* out_parti
   const dim3 grid(static_cast<unsigned>((group * p.seqlen_q + kRows - 1) / kRows),
                   static_cast<unsigned>(num_splits), static_cast<unsigned>(p.batch * p.num_kv_heads));
   if (grid.x == 0 || grid.z == 0) return;
-  DecodeSplit split{num_splits, out_partial, lse_partial, gate_total};
+  static const bool keys_fastest = std::getenv("FOX_DECODE_GATES_KEYS_FASTEST") != nullptr;
+  DecodeSplit split{num_splits, out_partial, lse_partial, gate_total, !keys_fastest};
   constexpr size_t smem = Smem<kHeadDim>::kBytes;
   auto kernel = decode_kernel<T, kHeadDim>;
   if (smem > 48 * 1024)
