@@ -26,6 +26,7 @@ import json
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 try:
     import transformers
@@ -139,7 +140,7 @@ class ForgettingTransformerConfig(PretrainedConfig):
         rejects what the modules do not implement (window_size, attention_bias, no affine norms)
         with an error that names the field."""
         fields = {k: v for k, v in self.to_dict().items()
-                  if k in _FOX_CONFIG_FIELDS or k == "model_type"}
+                  if k in _FOX_CONFIG_FIELDS or k in _CHECKED_FIELDS}
         return fox_nn.config_from_json(json.dumps(fields))
 
     @classmethod
@@ -153,9 +154,11 @@ class ForgettingTransformerConfig(PretrainedConfig):
         return cls(**fields)
 
 
-# The C++ config's fields (what config_to_json writes), read once.
+# The C++ config's fields (what config_to_json writes), read once, and the authors' fields whose
+# other values the C++ parser rejects.
 _FOX_CONFIG_FIELDS = frozenset(json.loads(fox_nn.config_to_json(
     fox_nn.ForgettingTransformerConfig()))) - {"model_type", "architectures"}
+_CHECKED_FIELDS = frozenset({"model_type", "window_size", "attention_bias", "elementwise_affine"})
 
 
 # ---- cache --------------------------------------------------------------------------------------
@@ -309,6 +312,31 @@ def _cache_for_forward(model, past_key_values, use_cache: bool):
                     f"model) or None, got {type(past_key_values).__name__}")
 
 
+class _EmbeddingLookup(torch.nn.Module):
+    """``get_input_embeddings()``: a callable view of the C++ embedding table (which has no Python
+    forward). Not registered as a child: the weight stays ``model.embeddings.weight``."""
+
+    def __init__(self, table: torch.nn.Module, padding_idx: Optional[int]):
+        super().__init__()
+        self.__dict__["_table"] = table
+        self.padding_idx = padding_idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._table.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight, self.padding_idx)
+
+
 class ForgettingTransformerPreTrainedModel(PreTrainedModel):
     config_class = ForgettingTransformerConfig
     base_model_prefix = "model"
@@ -383,8 +411,10 @@ class ForgettingTransformerModel(ForgettingTransformerPreTrainedModel):
         self._adopt_children(fox_model, ("embeddings", "layers", "norm"))
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embeddings
+    def get_input_embeddings(self) -> _EmbeddingLookup:
+        if "_lookup" not in self.__dict__:
+            self.__dict__["_lookup"] = _EmbeddingLookup(self.embeddings, self.padding_idx)
+        return self._lookup
 
     def new_cache(self) -> fox_nn.KVCache:
         return fox_nn.KVCache(self.config.num_hidden_layers)
@@ -418,7 +448,7 @@ class ForgettingTransformerModel(ForgettingTransformerPreTrainedModel):
             h = self._fox.forward(input_ids, fox_cache, seq_start)
         else:
             if inputs_embeds is None:
-                inputs_embeds = self.embeddings(input_ids)
+                inputs_embeds = self.get_input_embeddings()(input_ids)
             h, hidden_states = self._run_blocks(self._fox, inputs_embeds, fox_cache, seq_start,
                                                 bool(output_hidden_states))
         return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache,
@@ -457,8 +487,8 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
         """The forgetting_transformer.nn model behind this one (same tensors)."""
         return self._fox
 
-    def get_input_embeddings(self):
-        return self.model.embeddings
+    def get_input_embeddings(self) -> _EmbeddingLookup:
+        return self.model.get_input_embeddings()
 
     def get_output_embeddings(self):
         return self._modules.get("lm_head")
@@ -513,7 +543,7 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                 h = self.model._fox.forward(input_ids, fox_cache, seq_start)
             else:
                 if inputs_embeds is None:
-                    inputs_embeds = self.model.embeddings(input_ids)
+                    inputs_embeds = self.get_input_embeddings()(input_ids)
                 h, hidden_states = self._run_blocks(self.model._fox, inputs_embeds, fox_cache,
                                                     seq_start, bool(output_hidden_states))
             if labels is not None:
