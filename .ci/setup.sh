@@ -16,6 +16,9 @@ fi
 python3 -m pip install -q --disable-pip-version-check \
   torch==2.14.1 numpy==2.4.1 ninja==1.13.2 cmake==4.4.4 nvidia-cutlass==4.2.0.0 \
   pytest==9.0.3 expecttest==0.3.0 setuptools==84.2.1 matplotlib==3.11.2 pyyaml==6.0.3
+# The hf extra (pyproject.toml): forgetting_transformer.model and its tests, lm-evaluation-harness.
+python3 -m pip install -q --disable-pip-version-check \
+  transformers==5.17.0 safetensors==0.8.0 tokenizers==0.23.3 accelerate==1.15.0 lm-eval==0.4.13
 
 source .ci/env.sh
 echo "CUDA toolkit: ${CUDA_HOME:-none (CPU-only build)}"
