@@ -565,7 +565,10 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
                 *args, **kwargs)
         expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        if (generation_config.num_beams or 1) == 1 and generation_config.assistant_early_exit is None:
+        # The block-by-block route (embeddings in, hidden states out) appends to a growing cache.
+        blockwise = (model_kwargs.get("inputs_embeds") is not None
+                     or generation_config.output_hidden_states)
+        if (generation_config.num_beams or 1) == 1 and not blockwise:
             fox_cache = self._fox.new_static_cache(batch_size * expand, max_cache_length + 1)
         else:
             fox_cache = self._fox.new_cache()

@@ -333,6 +333,28 @@ def test_streaming(device):
     assert text.getvalue().strip() == tokenizer.decode(expected[0, 6:]).strip()
 
 
+def test_generate_other_routes_agree():
+    """Chunked prefill (both paths), embeddings as input and returned hidden states (transformers'
+    loop on the growing cache), several sequences per prompt (static cache of B x n rows)."""
+    model = tiny_model()
+    ids = prompt(2, 7)
+    greedy = model.generate(ids, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, eos_token_id=None,
+                                      prefill_chunk_size=3), greedy)
+    chunked = model.generate(ids, max_new_tokens=5, eos_token_id=None, prefill_chunk_size=3,
+                             return_dict_in_generate=True)
+    assert torch.equal(chunked.sequences, greedy)
+    embeds = model.get_input_embeddings()(ids)
+    assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=5, eos_token_id=None),
+                       greedy[:, 7:])
+    hidden = model.generate(ids, max_new_tokens=5, eos_token_id=None, output_hidden_states=True,
+                            return_dict_in_generate=True)
+    assert torch.equal(hidden.sequences, greedy) and len(hidden.hidden_states) == 5
+    several = model.generate(ids, max_new_tokens=5, eos_token_id=None, num_return_sequences=3,
+                             do_sample=True, top_k=1)  # top_k=1: greedy, 3 times
+    assert torch.equal(several, greedy.repeat_interleave(3, 0))
+
+
 def test_beam_search_runs_on_the_growing_cache():
     model = tiny_model()
     ids = prompt(2, 5)
