@@ -1,6 +1,8 @@
 """lm-evaluation-harness on our model through its `hf` model type (HFLM), with a tiny model and a
 word-level tokenizer built locally (no download): loglikelihood and generate_until requests,
 checked against the log-probabilities and greedy generations of the model itself."""
+import os
+
 import pytest
 import torch
 
@@ -73,3 +75,44 @@ def test_hflm_loglikelihood_and_generate_until(checkpoint, device):
     generations = lm.generate_until(requests)
     for context, text in zip(contexts, generations):
         assert text == _expected_generation(model, tokenizer, context, until, 8, lm.device)
+
+
+TASK_YAML = """task: fox_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.slow
+def test_readme_lm_eval_command_runs(checkpoint, tmp_path):
+    """The README's command line, on a task written here (a JSON file: nothing downloaded)."""
+    import json
+    import subprocess
+    import sys
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "continuation": t}) + "\n" for c, t in [
+        ("the cat sat on", " the mat"), ("one two three", " four"), ("a big red", " car")]))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "fox_local.yaml").write_text(TASK_YAML.format(data=data))
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf_home"))
+    command = [sys.executable, "-c",
+               "import forgetting_transformer.model, lm_eval.__main__ as m; m.cli_evaluate()",
+               "run", "--model", "hf", "--model_args",
+               f"pretrained={checkpoint},dtype=float32,backend=causal", "--tasks", "fox_local",
+               "--include_path", str(tasks), "--device", "cpu", "--batch_size", "2"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fox_local" in out.stdout and "acc" in out.stdout, out.stdout
