@@ -526,17 +526,52 @@ def test_readme_model_snippet(device):
     print(model)
 
 
-def _local_checkpoint(path):
-    tiny_model(dtype=torch.float32).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
+def authors_tokenizer_files(path):
+    """A small GPT-2 BPE (trained here) in the layout of the authors' checkpoints: vocab.json,
+    merges.txt and a tokenizer_config.json that names JSONGPT2Tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    bpe = ByteLevelBPETokenizer()
+    text = ["The best thing to do in San Francisco is to walk up a hill.",
+            'He said "hello"\nand left.', "the end of the text"] * 10
+    bpe.train_from_iterator(text, vocab_size=320, min_frequency=1,
+                            special_tokens=["<|endoftext|>"])
+    os.makedirs(path, exist_ok=True)
+    bpe.save_model(str(path))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "JSONGPT2Tokenizer", "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "add_bos_token": False,
+        "add_prefix_space": False, "model_max_length": 16384}))
+    return bpe.get_vocab_size()
+
+
+def test_authors_tokenizer_escapes_text_as_json(tmp_path):
+    authors_tokenizer_files(tmp_path)
+    import forgetting_transformer.tokenizer  # noqa: F401  (registers JSONGPT2Tokenizer)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer).__name__ == "JSONGPT2Tokenizer"
+    text = 'He said "hello"\nand left. \u00e9\t\\'
+    ids = tokenizer(text).input_ids
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert "n" in tokens and "\\" in "".join(tokens)  # the newline went in as backslash, n
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.batch_decode(tokenizer([text, "the end"]).input_ids) == [text, "the end"]
+
+
+def _authors_checkpoint(path):
+    """Our checkpoint of a tiny FoX (Pro) with the authors' tokenizer files beside it."""
+    vocab = authors_tokenizer_files(path)
+    model = randomized(fm.ForgettingTransformerForCausalLM(tiny_config(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=None)))
+    model.save_pretrained(path)
     return str(path)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_readme_loading_and_generation_snippet(device, tmp_path):
-    checkpoint = _local_checkpoint(tmp_path / "fox-pro-tiny")  # for the authors' Hub repository
+    checkpoint = _authors_checkpoint(tmp_path / "fox-pro-tiny")  # for the Hub repository
 
     import forgetting_transformer.model  # Needed to register the model classes
+    import forgetting_transformer.tokenizer  # Needed to register the tokenizer class
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
 
@@ -545,7 +580,7 @@ def test_readme_loading_and_generation_snippet(device, tmp_path):
                                               clean_up_tokenization_spaces=False)
 
     # Generation using HF api
-    prompt = "the best thing to do in the big house is"
+    prompt = "The best thing to do in San Francisco is"
     model = model.to(device)
     encoded = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     with torch.autocast(device_type=device, dtype=torch.bfloat16):
@@ -570,7 +605,7 @@ def test_readme_loading_and_generation_snippet(device, tmp_path):
     assert out.logits.size() == (batch_size, seq_len, tokenizer.vocab_size)
 
     # ours: the prompt starts with BOS, and generation matches the nn model's (same autocast)
-    assert int(encoded[0, 0]) == tokenizer.bos_token_id and output.shape[0] <= seq_len + 30
+    assert int(encoded[0, 0]) == tokenizer.bos_token_id and pred.startswith(prompt)
     with torch.autocast(device_type=device, dtype=torch.bfloat16):
         expected = model.fox_model.generate(encoded, max_new_tokens=30)[0]
     assert torch.equal(output, expected)
@@ -612,11 +647,12 @@ def test_core_package_imports_without_transformers():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import forgetting_transformer, forgetting_transformer.nn\n"
-        "try:\n"
-        "    import forgetting_transformer.model\n"
-        "except ImportError as e:\n"
-        "    print('ImportError:', e)\n"
+        "for name in ('model', 'tokenizer'):\n"
+        "    try:\n"
+        "        __import__('forgetting_transformer.' + name)\n"
+        "    except ImportError as e:\n"
+        "        print('ImportError:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "forgetting_transformer[hf]" in out.stdout
+    assert out.stdout.count("pip install 'forgetting_transformer[hf]'") == 2, out.stdout
