@@ -23,7 +23,7 @@ Needs the ``hf`` extra: ``pip install 'forgetting_transformer[hf]'``.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -170,8 +170,14 @@ class ForgettingTransformerCache(Cache):
     ``fox_cache`` is the C++ cache; ``layer(i)`` its tensors of layer i (k, v, log_fgate,
     key_shift, value_shift)."""
 
-    def __init__(self, fox_cache: fox_nn.KVCache):
+    def __init__(self, fox_cache: Union[fox_nn.KVCache, int]):
+        """fox_cache: a C++ KVCache, or a number of layers for a new growing one."""
         super().__init__(layers=[])
+        if isinstance(fox_cache, int):
+            fox_cache = fox_nn.KVCache(fox_cache)
+        if not isinstance(fox_cache, fox_nn.KVCache):
+            raise TypeError("fox_cache must be a forgetting_transformer.nn.KVCache or a number of "
+                            f"layers, got {type(fox_cache).__name__}")
         self.fox_cache = fox_cache
 
     @classmethod
@@ -278,20 +284,22 @@ def _seq_start(attention_mask: Optional[torch.Tensor], batch: int, length: int,
         raise ValueError(f"attention_mask must be (batch, seqlen) = ({batch}, {length}) (2D, left "
                          f"padding), got {tuple(attention_mask.shape)}")
     mask = attention_mask.to(device)
-    if mask.dtype != torch.bool:
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 and 1")
-        mask = mask.bool()
-    ones = mask.sum(-1)
-    # Left padding: once a row's mask is 1 it stays 1 (the kernels take one start per row).
-    bad, padded = torch.stack([(mask[:, 1:] < mask[:, :-1]).any(), (ones < length).any()]).tolist()
-    if bad:
+    tokens = mask != 0
+    ones = tokens.sum(-1)
+    # All checks in one host synchronization. Left padding: no 0 after a 1 in a row (the kernels
+    # take one start per row).
+    flags = torch.stack([((mask != 0) & (mask != 1)).any(), (tokens[:, :-1] & ~tokens[:, 1:]).any(),
+                         (ones == 0).any(), (ones < length).any()]).tolist()
+    not_binary, not_left, empty_row, padded = flags
+    if not_binary:
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if not_left:
         raise ValueError("attention_mask must be left padding (zeros only before the tokens of "
                          "each row); right or inner padding is not supported")
+    if empty_row:
+        raise ValueError("attention_mask: every row needs at least one token (a row is all zeros)")
     if not padded:
         return None
-    if bool((ones == 0).any()):
-        raise ValueError("attention_mask: every row needs at least one token (a row is all zeros)")
     return length - ones
 
 
@@ -711,7 +719,7 @@ class ForgettingAttentionLayer(fox_nn.ForgettingAttentionLayer):
         if output_attentions:
             raise ValueError("output_attentions=True is not supported (the attention kernels "
                              "never form the attention matrix)")
-        layer_cache = None
+        fox_cache = layer_cache = None
         if past_key_values is not None:
             if not isinstance(past_key_values, ForgettingTransformerCache):
                 raise TypeError("past_key_values must be a ForgettingTransformerCache, got "
@@ -720,16 +728,16 @@ class ForgettingAttentionLayer(fox_nn.ForgettingAttentionLayer):
                 raise ValueError("a single layer needs a growing cache, not a static one")
             if self.layer_idx is None:
                 raise ValueError("past_key_values needs the layer's layer_idx (constructor)")
-            layer_cache = past_key_values.layer(self.layer_idx)
+            fox_cache = past_key_values.fox_cache
+            layer_cache = fox_cache.layer(self.layer_idx)
         batch, length = hidden_states.shape[:2]
         seq_start = None
-        if layer_cache is None or len(layer_cache) == 0:
+        if layer_cache is None or len(layer_cache) == 0:  # the mask counts at the first call
             seq_start = _seq_start(attention_mask, batch, length, hidden_states.device)
-        elif past_key_values.fox_cache.seq_start is not None:
-            seq_start = past_key_values.fox_cache.seq_start
-        if seq_start is not None and past_key_values is not None:
-            if past_key_values.fox_cache.seq_start is None:
-                past_key_values.fox_cache.seq_start = seq_start
+        if fox_cache is not None:  # kept for the later calls, as the model does
+            if fox_cache.seq_start is None:
+                fox_cache.seq_start = seq_start
+            seq_start = fox_cache.seq_start
         out = self.cpp_module.forward(hidden_states, layer_cache, seq_start)
         return out, None, past_key_values
 

@@ -486,6 +486,31 @@ def test_readme_layer_snippet(device):
     torch.testing.assert_close(out, layer.cpp_module.forward(x))
 
 
+def test_attention_layer_with_mask_and_cache():
+    """The layer alone: left padding by attention_mask, and a cache (layer_idx) fed in pieces
+    giving the full call's output."""
+    torch.manual_seed(0)
+    layer = fm.ForgettingAttentionLayer(hidden_size=32, num_heads=4, qk_norm=True,
+                                        use_k_shift=True, use_v_shift=True, use_output_gate=True,
+                                        layer_idx=1).double()
+    randomized(layer)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    full, attentions, cache = layer(x)
+    assert attentions is None and cache is None
+    cache = fm.ForgettingTransformerCache(2)
+    parts = [layer(x[:, :5], past_key_values=cache, use_cache=True)[0]]
+    parts += [layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0] for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
+    assert len(cache.layer(1)) == 9 and len(cache.layer(0)) == 0
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    padded = layer(x, attention_mask=mask)[0]
+    torch.testing.assert_close(padded[1:, 3:], layer(x[1:, 3:])[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(padded[:1], full[:1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="window_size"):
+        fm.ForgettingAttentionLayer(hidden_size=32, num_heads=4, window_size=64)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_readme_model_snippet(device):
     import torch
