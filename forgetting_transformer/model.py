@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 try:
-    import transformers
     from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig,
                               PretrainedConfig, PreTrainedModel)
     from transformers.cache_utils import Cache
@@ -742,7 +741,7 @@ class ForgettingAttentionLayer(fox_nn.ForgettingAttentionLayer):
         return out, None, past_key_values
 
 
-# ---- checkpoints of forgetting_transformer.nn (fox train) -----------------------------------------
+# ---- checkpoints of forgetting_transformer.nn (fox train) ---------------------------------------
 
 class FoxTorchConfig(ForgettingTransformerConfig):
     """The same config under the model_type that forgetting_transformer.nn and ``fox train``

@@ -31,7 +31,8 @@ DEVICES = [
 VOCAB = 61
 WORDS = ("the a cat dog sat on mat and ran to house big small red blue is was of in it at "
          "by for with from up down left right old new one two three four five six seven eight "
-         "nine ten sun moon star tree river hill road car boat bird fish cold warm best thing do").split()
+         "nine ten sun moon star tree river hill road car boat bird fish cold warm best thing "
+         "do").split()
 
 
 def tiny_config(**kw):
@@ -118,7 +119,8 @@ def test_parameters_are_the_nn_models_under_the_authors_names():
     keys = list(model.state_dict())
     assert keys == list(model.fox_model.state_dict())
     for key in ("model.embeddings.weight", "model.layers.0.attn.q_proj.weight",
-                "model.layers.1.attn.k_proj.shift_proj.weight", "model.layers.0.attn.fgate_proj.bias",
+                "model.layers.1.attn.k_proj.shift_proj.weight",
+                "model.layers.0.attn.fgate_proj.bias",
                 "model.layers.0.mlp.gate_proj.weight", "model.norm.weight", "lm_head.weight"):
         assert key in keys
     ours = dict(model.named_parameters())
