@@ -400,6 +400,37 @@ def test_save_and_load_round_trip(tmp_path):
     assert torch.equal(nn_model(ids), _logits(model, ids))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_pretrained_onto_a_device_and_dtype(device, tmp_path):
+    model = tiny_model(dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device,
+                                                  dtype=torch.bfloat16)
+    for name, p in loaded.state_dict().items():
+        assert p.device.type == device and p.dtype == torch.bfloat16, name
+        assert torch.equal(p.cpu(), model.state_dict()[name].to(torch.bfloat16)), name
+    ids = prompt(2, 9, device)
+    expected = model.to(device=device, dtype=torch.bfloat16)(input_ids=ids).logits
+    assert torch.equal(loaded(input_ids=ids).logits, expected)
+    assert torch.equal(loaded.generate(ids, max_new_tokens=4),
+                       model.generate(ids, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("fgate_type", ["fixed", "bias_only", "none"])
+def test_other_gate_types_round_trip(fgate_type, tmp_path):
+    """Fixed gates are a buffer (model.layers.i.attn.fgate_bias) that the loader must set too."""
+    fixed = dict(fgate_bias_init=True, decay_time_min=2.0, decay_time_max=100.0)
+    model = tiny_model(dtype=torch.float32, fgate_type=fgate_type,
+                       **(fixed if fgate_type == "fixed" else {}))
+    assert any("fgate" in k for k in model.state_dict()) == (fgate_type != "none")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    ids = prompt(2, 9)
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     model = tiny_model(dtype=torch.float32)
     model.save_pretrained(tmp_path, max_shard_size="20KB")
