@@ -103,6 +103,28 @@ def time_llama(model, ids, new, **kw):
     return prefill, (t2 - t1 - prefill) / (new - 1)
 
 
+def profile_step(model, B, prompt, steps=10):
+    """The kernels of one replayed decoding step (torch.profiler), with their device times."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    ids = torch.randint(0, VOCAB, (B, prompt), device="cuda")
+    session = fnn.GenerationSession(model.cpp_module, ids,
+                                    fnn.GenerationOptions(max_new_tokens=steps + 8))
+    session.prefill()
+    for _ in range(4):
+        session.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            session.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels = sum(e.count for e in events) / steps
+    total = sum(e.self_device_time_total for e in events) / steps
+    print(f"B={B}, prompt {prompt}: {kernels:.0f} kernels per step, {total:.0f} us of kernel time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                    max_name_column_width=90))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="125m", choices=sorted(SIZES))
@@ -112,7 +134,11 @@ def main():
     ap.add_argument("--no-llama", action="store_true", help="ours only")
     ap.add_argument("--no-compile", action="store_true", help="skip LLaMA static + compile")
     ap.add_argument("--out", default=None, help="write generate.json here")
+    ap.add_argument("--profile", action="store_true",
+                    help="only list the kernels of one replayed step (first batch and prompt)")
     args = ap.parse_args()
+    if args.profile:
+        return profile_step(fox_model(args.model), args.batch[0], args.prompt[0])
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     device = torch.cuda.get_device_name()

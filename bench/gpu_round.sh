@@ -23,7 +23,7 @@ for stage in "$@"; do
         python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/fox_build.log 2>&1 \
         || { tail -40 /tmp/fox_build.log; exit 1; } ;;
     tests)
-      python3 -m pytest tests/python -m cuda -k "not bad" -q -x -p no:cacheprovider \
+      python3 -m pytest tests/python -m cuda -k "not bad" -q -p no:cacheprovider \
         > "$OUT/tests.log" 2>&1 || status=1
       tail -15 "$OUT/tests.log" ;;
     decode)

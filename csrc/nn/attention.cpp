@@ -12,8 +12,9 @@ namespace fox::nn {
 
 namespace F = torch::nn::functional;
 
-// Rows of input up to which project_input, without autograd, runs the projections one by one.
-constexpr int64_t kFewRows = 16;
+// Rows of input up to which project_input, without autograd, keeps its weight concatenation
+// (decoding steps of up to 256 sequences; a long prefill amortizes a fresh one).
+constexpr int64_t kFewRows = 256;
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& positions, double base) {
   TORCH_CHECK(x.dim() == 4, "apply_rotary: x must be (batch, seqlen, heads, head_dim), got ",
@@ -154,55 +155,87 @@ torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate_from(const torch::Te
   return F::logsigmoid(fgate_bias.to(fdt)).expand({B, T, H}).contiguous();
 }
 
-ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
-    const torch::Tensor& x) {
-  // One GEMM for every projection of x: the weights are concatenated on the fly (the parameters
-  // keep the authors' names) and the backward of split_with_sizes is one concatenation. The wide
-  // outputs come first and the width is padded to a multiple of 64 (zero rows), so every wide
-  // slice starts 16-byte aligned and the GEMM runs its aligned kernels. For a few rows without
-  // autograd (decoding) the concatenation would move every weight twice more for one row of
-  // output: there each projection runs on its own.
-  InputProjections out;
-  std::vector<std::pair<torch::nn::Linear, torch::Tensor*>> projections = {
-      {q_proj, &out.q},
-      {k_shift_proj ? k_shift_proj->linear : k_proj, &out.k},
-      {v_shift_proj ? v_shift_proj->linear : v_proj, &out.v}};
-  if (ogate_proj) projections.emplace_back(ogate_proj, &out.ogate_logits);
-  if (k_shift_proj) projections.emplace_back(k_shift_proj->shift_proj, &out.k_shift_logits);
-  if (v_shift_proj) projections.emplace_back(v_shift_proj->shift_proj, &out.v_shift_logits);
-  if (fgate_proj) projections.emplace_back(fgate_proj, &out.fgate_logits);
-  if (x.numel() / x.size(-1) <= kFewRows && !torch::GradMode::is_enabled()) {
-    for (auto& [linear, target] : projections) *target = linear(x);
-    return out;
-  }
+namespace {
 
-  std::vector<torch::Tensor*> targets;
+// (data_ptr, version) of every tensor a concatenation was built from: a changed parameter (an
+// optimizer step, load_state_dict, .to()) invalidates it.
+std::vector<std::pair<const void*, uint32_t>> sources_of(
+    const std::vector<torch::nn::Linear>& linears) {
+  std::vector<std::pair<const void*, uint32_t>> sources;
+  for (const auto& l : linears) {
+    for (const auto* t : {&l->weight, &l->bias}) {
+      if (t->defined()) sources.emplace_back(t->data_ptr(), t->_version());
+    }
+  }
+  return sources;
+}
+
+}  // namespace
+
+ForgettingAttentionLayerImpl::ConcatenatedProjection
+ForgettingAttentionLayerImpl::concatenate_projections(
+    const std::vector<torch::nn::Linear>& linears) const {
+  ConcatenatedProjection c;
   std::vector<torch::Tensor> weights, biases;
-  std::vector<int64_t> widths;
   bool any_bias = false;
-  for (auto& [linear, target] : projections) {
-    targets.push_back(target);
-    weights.push_back(linear->weight);
-    biases.push_back(linear->bias);
-    widths.push_back(linear->weight.size(0));
-    any_bias = any_bias || linear->bias.defined();
+  for (const auto& l : linears) {
+    weights.push_back(l->weight);
+    biases.push_back(l->bias);
+    c.widths.push_back(l->weight.size(0));
+    any_bias = any_bias || l->bias.defined();
   }
   int64_t width = 0;
-  for (auto w : widths) width += w;
+  for (auto w : c.widths) width += w;
   const int64_t padding = (64 - width % 64) % 64;
   if (padding) {
-    weights.push_back(torch::zeros({padding, x.size(-1)}, weights[0].options()));
+    weights.push_back(torch::zeros({padding, weights[0].size(1)}, weights[0].options()));
     biases.push_back(torch::Tensor());
-    widths.push_back(padding);
+    c.widths.push_back(padding);
   }
-  torch::Tensor bias;
   if (any_bias) {
     for (size_t i = 0; i < biases.size(); ++i) {
-      if (!biases[i].defined()) biases[i] = torch::zeros({widths[i]}, weights[i].options());
+      if (!biases[i].defined()) biases[i] = torch::zeros({c.widths[i]}, weights[i].options());
     }
-    bias = torch::cat(biases);
+    c.bias = torch::cat(biases);
   }
-  auto parts = F::linear(x, torch::cat(weights), bias).split_with_sizes(widths, -1);
+  c.weight = torch::cat(weights);
+  return c;
+}
+
+ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
+    const torch::Tensor& x) {
+  // One GEMM for every projection of x: the weights are concatenated (the parameters keep the
+  // authors' names) and the backward of split_with_sizes is one concatenation. The wide outputs
+  // come first. With autograd the concatenation is redone every call (it is part of the graph);
+  // few-row inference (decoding) keeps it while the parameters are unchanged, so a decoding step
+  // is one GEMV instead of one per projection.
+  InputProjections out;
+  std::vector<torch::nn::Linear> linears = {q_proj, k_shift_proj ? k_shift_proj->linear : k_proj,
+                                            v_shift_proj ? v_shift_proj->linear : v_proj};
+  std::vector<torch::Tensor*> targets = {&out.q, &out.k, &out.v};
+  auto add = [&](const torch::nn::Linear& l, torch::Tensor* target) {
+    linears.push_back(l);
+    targets.push_back(target);
+  };
+  if (ogate_proj) add(ogate_proj, &out.ogate_logits);
+  if (k_shift_proj) add(k_shift_proj->shift_proj, &out.k_shift_logits);
+  if (v_shift_proj) add(v_shift_proj->shift_proj, &out.v_shift_logits);
+  if (fgate_proj) add(fgate_proj, &out.fgate_logits);
+
+  ConcatenatedProjection fresh;
+  const ConcatenatedProjection* c = &fresh;
+  if (x.numel() / x.size(-1) <= kFewRows && !torch::GradMode::is_enabled()) {
+    auto sources = sources_of(linears);
+    if (!inference_projection_.weight.defined() || inference_projection_.sources != sources ||
+        inference_projection_.weight.device() != x.device()) {
+      inference_projection_ = concatenate_projections(linears);
+      inference_projection_.sources = std::move(sources);
+    }
+    c = &inference_projection_;
+  } else {
+    fresh = concatenate_projections(linears);
+  }
+  auto parts = F::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
   for (size_t i = 0; i < targets.size(); ++i) *targets[i] = parts[i];
   return out;
 }

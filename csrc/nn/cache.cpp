@@ -1,5 +1,9 @@
 #include <fox/nn/cache.h>
 
+#ifdef FOX_WITH_CUDA
+#include "cuda/fused_kernels.h"
+#endif
+
 namespace fox::nn {
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
@@ -9,6 +13,23 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
     const int64_t B = k_new.size(0), T = k_new.size(1);
     TORCH_CHECK(B == k.size(0), "KVCache: batch size ", B, " does not match the static cache's ",
                 k.size(0));
+#ifdef FOX_WITH_CUDA
+    // One fused kernel on CUDA (the three scatters below are three launches per layer and step).
+    auto rows = [&](const torch::Tensor& t) { return t.reshape({t.size(0), t.size(1), -1}); };
+    // The buffers are written through these: views (heads and head dim dense), never copies.
+    auto flat = [](const torch::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == t.size(3); };
+    auto kn = rows(k_new), vn = rows(v_new);
+    auto kc = flat(k) ? rows(k) : k, vc = flat(v) ? rows(v) : v;
+    if (k.is_cuda() && flat(k) && flat(v) && k_new.scalar_type() == k.scalar_type() &&
+        v_new.scalar_type() == v.scalar_type() && lf_new.scalar_type() == torch::kFloat32 &&
+        log_fgate.scalar_type() == torch::kFloat32 && kn.stride(2) == 1 && vn.stride(2) == 1 &&
+        lf_new.stride(2) == 1 && kc.stride(2) == 1 && vc.stride(2) == 1 &&
+        log_fgate.stride(2) == 1 && positions.is_contiguous() && kn.size(2) == kc.size(2) &&
+        kn.size(2) == vn.size(2)) {
+      cuda::cache_write(kn, vn, lf_new, positions, kc, vc, log_fgate);
+      return {k, v, log_fgate};
+    }
+#endif
     auto idx = positions.view({B, T, 1, 1});
     k.scatter_(1, idx.expand(k_new.sizes()), k_new.to(k.scalar_type()));
     v.scatter_(1, idx.expand(v_new.sizes()), v_new.to(v.scalar_type()));

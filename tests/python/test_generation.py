@@ -174,3 +174,23 @@ def test_cuda_graph_greedy_equals_full_forward():
     ids = torch.randint(0, 61, (2, 30), device="cuda")
     ref, _ = greedy_by_full_forward(model, ids, 12)
     assert torch.equal(model.generate(ids, max_new_tokens=12), ref)
+
+
+def test_decoding_projection_follows_parameter_updates():
+    """Few-row inference keeps the layer's concatenated projection weights: an in-place update of
+    a parameter (an optimizer step) or a load_state_dict must reach the next decoding forward."""
+    model = tiny_model("fox_pro")
+    ids = torch.randint(0, 61, (2, 1))
+    with torch.no_grad():
+        before = model(ids)
+        for p in model.parameters():
+            p.mul_(1.25)
+        after = model(ids)
+    with torch.enable_grad():
+        expected = model(ids).detach()  # autograd path: a fresh concatenation
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected, rtol=1e-12, atol=1e-12)
+    other = tiny_model("fox_pro", seed=1)
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), other(ids), rtol=1e-12, atol=1e-12)

@@ -343,6 +343,28 @@ __global__ void __launch_bounds__(kLossThreads)
   }
 }
 
+// ---- static KV cache ------------------------------------------------------------------------------
+// One launch writes a decoding step's keys, values and log forget gates into their rows of the
+// static cache (three scatters otherwise). Block (b, t) copies row (b, t) of each to position
+// pos[b, t] of row b.
+template <typename T>
+__global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, int64_t kn_ts,
+                                   const T* __restrict__ v_new, int64_t vn_bs, int64_t vn_ts,
+                                   const float* __restrict__ g_new, int64_t gn_bs, int64_t gn_ts,
+                                   const int64_t* __restrict__ pos, T* __restrict__ k, int64_t k_bs,
+                                   int64_t k_ts, T* __restrict__ v, int64_t v_bs, int64_t v_ts,
+                                   float* __restrict__ g, int64_t g_bs, int64_t g_ts, int T_new,
+                                   int C, int H) {
+  const int64_t b = blockIdx.x / T_new, t = blockIdx.x % T_new;
+  const int64_t j = pos[blockIdx.x];
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    k[b * k_bs + j * k_ts + c] = k_new[b * kn_bs + t * kn_ts + c];
+    v[b * v_bs + j * v_ts + c] = v_new[b * vn_bs + t * vn_ts + c];
+  }
+  for (int h = threadIdx.x; h < H; h += blockDim.x)
+    g[b * g_bs + j * g_ts + h] = g_new[b * gn_bs + t * gn_ts + h];
+}
+
 // ---- host side ------------------------------------------------------------------------------------
 
 #define FOX_FLOAT_TYPES(TYPE, NAME, ...)                        \
@@ -593,6 +615,26 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
         dloss.data_ptr<float>(), logits.data_ptr<scalar_t>(), logits.stride(0),
         labels.data_ptr<int64_t>(), lse.data_ptr<float>(), dlogits.data_ptr<scalar_t>(), V,
         ignore_index);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& g_new,
+                 const at::Tensor& positions, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& g) {
+  c10::cuda::CUDAGuard guard(k.device());
+  const int64_t B = k_new.size(0), T = k_new.size(1);
+  if (B * T == 0) return;
+  const int C = int(k_new.size(2)), H = int(g_new.size(2));
+  const int threads = std::min(256, std::max(32, ((std::max(C, H) + 31) / 32) * 32));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(k.scalar_type(), "cache_write", [&] {
+    cache_write_kernel<scalar_t><<<unsigned(B * T), threads, 0, stream>>>(
+        k_new.data_ptr<scalar_t>(), k_new.stride(0), k_new.stride(1), v_new.data_ptr<scalar_t>(),
+        v_new.stride(0), v_new.stride(1), g_new.data_ptr<float>(), g_new.stride(0),
+        g_new.stride(1), positions.data_ptr<int64_t>(), k.data_ptr<scalar_t>(), k.stride(0),
+        k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), g.data_ptr<float>(),
+        g.stride(0), g.stride(1), int(T), C, H);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -47,4 +47,11 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
                             const at::Tensor& labels, const at::Tensor& lse, int64_t ignore_index,
                             const at::Tensor& dlogits);
 
+// The static cache's write of T new tokens: k[b, pos[b, t]] = k_new[b, t] (and v, g). k_new,
+// v_new (B, T, C) and g_new (B, T, H) float32 with a contiguous last dimension, of the cache's
+// dtypes; k, v (B, L, C) and g (B, L, H) likewise; positions (B, T) int64 contiguous, each < L.
+void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& g_new,
+                 const at::Tensor& positions, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& g);
+
 }  // namespace fox::nn::cuda

@@ -97,6 +97,21 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   };
   InputProjections project_input(const torch::Tensor& x);
 
+ private:
+  /// The input projections' weights and biases concatenated into one GEMM operand, the width
+  /// padded to a multiple of 64 (zero rows) so that every wide slice starts 16-byte aligned.
+  struct ConcatenatedProjection {
+    torch::Tensor weight, bias;                   // bias undefined when no projection has one
+    std::vector<int64_t> widths;                  // output widths in order, padding last
+    std::vector<std::pair<const void*, uint32_t>> sources;  // (data_ptr, version) of each input
+  };
+  ConcatenatedProjection concatenate_projections(
+      const std::vector<torch::nn::Linear>& linears) const;
+  /// Few-row inference (decoding) keeps the concatenation while the parameters are unchanged.
+  ConcatenatedProjection inference_projection_;
+
+ public:
+
   int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }
   int64_t num_kv_heads() const { return options.num_kv_heads().value_or(options.num_heads()); }
 
