@@ -371,6 +371,40 @@ def _make_buffers_assignable(module: torch.nn.Module) -> None:
             m.__class__ = _ASSIGNABLE[cls]
 
 
+def _describe(module: torch.nn.Module) -> str:
+    """One module of the tree as the authors' print shows it (the C++ modules print only their
+    type): leaves with their shapes, containers with their children, repeats folded."""
+    params = dict(module.named_parameters(recurse=False))
+    cpp = repr(module.cpp_module) if hasattr(module, "cpp_module") else ""
+    name = type(module).__name__ if not cpp.startswith("torch::nn::") else (
+        cpp.replace("torch::nn::", "").replace("Impl", ""))
+    if name == "Linear":
+        w = params["weight"]
+        return (f"Linear(in_features={w.shape[1]}, out_features={w.shape[0]}, "
+                f"bias={'bias' in params})")
+    if name == "Embedding":
+        return "Embedding({}, {})".format(*params["weight"].shape)
+    if name in ("RMSNorm", "GroupRMSNorm"):
+        return f"{name}({params['weight'].shape[0]})"
+    if name == "ShiftLinear":
+        w = dict(module.named_parameters())["linear.weight"]
+        return f"ShiftLinear({w.shape[1]}, {w.shape[0]})"
+    children = [(k, _describe(m)) for k, m in module._modules.items() if m is not None]
+    if not children:
+        return f"{name}()"
+    lines, i = [], 0
+    while i < len(children):  # fold runs of identical list items: (0-23): 24 x Block(...)
+        j = i
+        while (j + 1 < len(children) and children[j + 1][1] == children[i][1]
+               and children[i][0].isdigit()):
+            j += 1
+        key = children[i][0] if j == i else f"{children[i][0]}-{children[j][0]}"
+        text = children[i][1] if j == i else f"{j - i + 1} x {children[i][1]}"
+        lines.append(f"({key}): " + text.replace("\n", "\n  "))
+        i = j + 1
+    return name + "(\n  " + "\n  ".join(lines) + "\n)"
+
+
 class ForgettingTransformerPreTrainedModel(PreTrainedModel):
     config_class = ForgettingTransformerConfig
     base_model_prefix = "model"
@@ -398,6 +432,9 @@ class ForgettingTransformerPreTrainedModel(PreTrainedModel):
         super().train(mode)
         self._fox.train(mode)
         return self
+
+    def __repr__(self) -> str:
+        return _describe(self)
 
     def _run_blocks(self, decoder, inputs_embeds, cache, seq_start, keep_states: bool):
         """The decoder's forward, block by block from Python (for inputs_embeds and
@@ -736,6 +773,9 @@ class ForgettingAttentionLayer(fox_nn.ForgettingAttentionLayer):
         super().__init__(hidden_size, num_heads, **options)
         self.__dict__.pop("forward", None)  # the method below, not the bound C++ one
         self.layer_idx = layer_idx
+
+    def __repr__(self) -> str:
+        return _describe(self)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[ForgettingTransformerCache] = None,

@@ -531,7 +531,11 @@ def test_readme_layer_snippet(device):
     out, *rest = layer(x)
     assert out.size() == (batch_size, seq_len, hidden_size)
     print(layer)
-    # ours: the same layer as forgetting_transformer.nn's, with gradients
+    # ours: the printed tree is the authors'; the same layer as nn's, with gradients
+    for line in ("(q_proj): Linear(in_features=96, out_features=96, bias=False)",
+                 "(k_proj): ShiftLinear(96, 96)", "(fgate_proj): Linear(in_features=96, "
+                 "out_features=6, bias=True)", "(output_norm): GroupRMSNorm(96)"):
+        assert line in repr(layer), repr(layer)
     out.sum().backward()
     assert x.grad.shape == x.shape
     torch.testing.assert_close(out, layer.cpp_module.forward(x))
@@ -600,6 +604,10 @@ def test_readme_model_snippet(device):
     out = model(input_ids=input_ids)
     assert out.logits.size() == (batch_size, seq_len, vocab_size)
     print(model)
+    for line in ("(embeddings): Embedding(512, 96)", "(0-1): 2 x ForgettingTransformerBlock(",
+                 "(down_proj): Linear(in_features=256, out_features=96, bias=False)",
+                 "(lm_head): Linear(in_features=96, out_features=512, bias=False)"):
+        assert line in repr(model), repr(model)
 
 
 def authors_tokenizer_files(path):
