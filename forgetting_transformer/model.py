@@ -32,7 +32,7 @@ try:
     from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig,
                               PretrainedConfig, PreTrainedModel)
     from transformers.cache_utils import Cache
-    from transformers.generation import GenerationMixin
+    from transformers.generation import GenerationMixin, StoppingCriteriaList
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("forgetting_transformer.model needs transformers and safetensors: "
@@ -652,9 +652,10 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                  synced_gpus=None, assistant_model=None, streamer=None, negative_prompt_ids=None,
                  negative_prompt_attention_mask=None, custom_generate=None, **kwargs):
         """transformers' generate. Greedy and plain sampling requests run our C++ generation
-        (static cache, CUDA graph on a GPU); the rest runs transformers' loop over our cache."""
+        (static cache, CUDA graph on a GPU), stopping criteria and streamers included; the rest
+        runs transformers' loop over our cache."""
         plan = None
-        if not (logits_processor or stopping_criteria or prefix_allowed_tokens_fn or synced_gpus
+        if not (logits_processor or prefix_allowed_tokens_fn or synced_gpus
                 or assistant_model is not None or negative_prompt_ids is not None
                 or negative_prompt_attention_mask is not None or custom_generate is not None):
             plan = self._fast_generation_plan(inputs, generation_config, kwargs)
@@ -668,9 +669,9 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                 negative_prompt_attention_mask=negative_prompt_attention_mask,
                 custom_generate=custom_generate, **kwargs)
         input_ids, options = plan
-        if streamer is None:
+        if streamer is None and not stopping_criteria:
             return self._fox.generate(input_ids, options)
-        return self._stream(input_ids, options, streamer)
+        return self._generate_stepwise(input_ids, options, streamer, stopping_criteria)
 
     def _fast_generation_plan(self, inputs, generation_config, kwargs):
         """(input_ids, GenerationOptions) when our generation does exactly what transformers'
@@ -729,20 +730,33 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
             options.top_p = float(gc.top_p if gc.top_p is not None else 1.0)
         return input_ids, options
 
-    def _stream(self, input_ids, options, streamer):
-        """Our generation one step at a time, each step's tokens (B,) handed to the streamer."""
-        streamer.put(input_ids.cpu())
+    def _generate_stepwise(self, input_ids, options, streamer, stopping_criteria):
+        """Our generation one step at a time (the same tokens as generate): each step's tokens
+        (B,) go to the streamer, and the stopping criteria see the sequences so far, as in
+        transformers' loop: a row they stop gets pad tokens from then on if there are stop
+        tokens (transformers pads only then), and generation ends once every row has stopped."""
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         session = fox_nn.GenerationSession(self._fox.cpp_module, input_ids, options)
-        steps = [session.prefill()]
-        streamer.put(steps[-1].cpu())
-        for _ in range(options.max_new_tokens - 1):
-            if bool(session.finished.all()):
+        pad_stopped = options.stop_tokens != [-1]
+        ids, unfinished = input_ids, None
+        for step in range(options.max_new_tokens):
+            tokens = (session.step() if step else session.prefill()).to(ids.device, ids.dtype)
+            if unfinished is not None and pad_stopped:
+                tokens = torch.where(unfinished, tokens, options.pad_token_id)
+            ids = torch.cat([ids, tokens[:, None]], 1)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            stopped = session.finished.to(ids.device)
+            if stopping_criteria:
+                done = StoppingCriteriaList(stopping_criteria)(ids, None).to(ids.device)
+                unfinished = ~done if unfinished is None else unfinished & ~done
+                stopped = stopped | ~unfinished
+            if bool(stopped.all()):
                 break
-            steps.append(session.step())
-            streamer.put(steps[-1].cpu())
-        streamer.end()
-        new = torch.stack(steps, 1).to(input_ids.device, input_ids.dtype)
-        return torch.cat([input_ids, new], 1)
+        if streamer is not None:
+            streamer.end()
+        return ids
 
 
 # Generation settings the fast path implements (the rest must keep transformers' defaults).

@@ -353,6 +353,42 @@ def test_streaming(device):
     assert text.getvalue().strip() == tokenizer.decode(expected[0, 6:]).strip()
 
 
+class _StopAfter(transformers.StoppingCriteria):
+    """Stops a row once it has produced `token` (or every row at `length`)."""
+
+    def __init__(self, token, length=None):
+        self.token, self.length = token, length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids[:, -1] == self.token
+        if self.length is not None and input_ids.shape[1] >= self.length:
+            done = torch.ones_like(done)
+        return done
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eos", [False, True])
+def test_stopping_criteria_match_transformers_loop(device, eos):
+    """Our stepwise generation with stopping criteria against transformers' own loop (forced by
+    return_dict_in_generate): same sequences, rows stopped by a criterion padded only when there
+    are stop tokens, as transformers does."""
+    model = tiny_model(device, model_dtype(device))
+    ids = prompt(3, 5, device)
+    with autocast(device):
+        free = model.generate(ids, max_new_tokens=12, eos_token_id=None)
+    stop_token = int(free[1, 7])  # row 1 produces it at its third step
+    settings = dict(max_new_tokens=12, pad_token_id=1,
+                    eos_token_id=int(free[2, 10]) if eos else None)
+    for criteria in ([_StopAfter(stop_token)], [_StopAfter(-5, length=9)]):
+        criteria = transformers.StoppingCriteriaList(criteria)
+        with autocast(device):
+            ours = model.generate(ids, stopping_criteria=criteria, **settings)
+            theirs = model.generate(ids, stopping_criteria=criteria, return_dict_in_generate=True,
+                                    **settings).sequences
+        assert torch.equal(ours, theirs)
+    assert ours.shape[1] == 9  # the second criterion ends every row at 9 tokens
+
+
 def test_generate_other_routes_agree():
     """Chunked prefill (both paths), embeddings as input and returned hidden states (transformers'
     loop on the growing cache), several sequences per prompt (static cache of B x n rows)."""
