@@ -15,8 +15,8 @@ share their tensors. ``past_key_values`` is a transformers ``Cache`` over the C+
 
 ``generate`` runs our C++ generation (static cache; on a GPU the decoding step is a replayed CUDA
 graph) when the request is greedy or plain sampling (temperature, top_k, top_p), with or without
-left padding, stop tokens and a streamer; anything else (beam search, logits processors, stopping
-criteria, scores, ...) runs transformers' own loop over our cache.
+left padding, stop tokens, stopping criteria and a streamer; anything else (beam search, logits
+processors, returned scores, ...) runs transformers' own loop over our cache.
 
 Needs the ``hf`` extra: ``pip install 'forgetting_transformer[hf]'``.
 """
@@ -523,8 +523,9 @@ class ForgettingTransformerModel(ForgettingTransformerPreTrainedModel):
                 inputs_embeds = self.get_input_embeddings()(input_ids)
             h, hidden_states = self._run_blocks(self._fox, inputs_embeds, fox_cache, seq_start,
                                                 bool(output_hidden_states))
-        return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache,
-                                       hidden_states=hidden_states)
+        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache,
+                                      hidden_states=hidden_states)
+        return out if return_dict is not False else out.to_tuple()
 
 
 class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, GenerationMixin):
@@ -622,8 +623,9 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                 loss = fox_nn.functional.cross_entropy(fox.logits(h), labels.to(device))
             else:
                 logits = fox.logits(h[:, -logits_to_keep:] if logits_to_keep else h)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache,
-                                      hidden_states=hidden_states)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache,
+                                     hidden_states=hidden_states)
+        return out if return_dict is not False else out.to_tuple()
 
     # ---- generation -----------------------------------------------------------------------------
 

@@ -168,6 +168,9 @@ def test_forward_matches_nn_model_and_reference(device):
         last = model(input_ids=ids, logits_to_keep=1)
         base = model.model(input_ids=ids)
     assert len(hidden.hidden_states) == 3  # embeddings, after block 0, after the final norm
+    with autocast(device), torch.no_grad():
+        as_tuple = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+    assert len(as_tuple) == 1 and torch.equal(as_tuple[0], with_labels.loss)
     torch.testing.assert_close(hidden.logits, out.logits, **close(device))
     torch.testing.assert_close(embeds.logits, out.logits, **close(device))
     torch.testing.assert_close(last.logits, out.logits[:, -1:], **close(device))
