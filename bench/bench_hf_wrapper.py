@@ -7,8 +7,9 @@ by side in one process, interleaved, median of repeats:
   train step   forward + backward of the per-token loss (mean), B x T tokens
   generate     model.generate(prompt, max_new_tokens=N) (greedy): time per generated token, from
                the difference between N and N/2 tokens (so prefill and per-call work cancel),
-               and the whole call; and transformers' own decoding loop over our cache (what
-               requests outside the fast path run) for comparison
+               and the whole call; for comparison, generate with a stopping criterion (our
+               generation step by step, as lm-eval's generate_until runs) and transformers' own
+               decoding loop over our cache (what requests outside the fast path run)
 
     python bench/bench_hf_wrapper.py                       # CPU: the small model
     python bench/bench_hf_wrapper.py --device cuda --preset 125m --autocast bf16
@@ -22,6 +23,7 @@ import torch
 
 from forgetting_transformer import nn as fnn
 import forgetting_transformer.model as fm
+from transformers import StoppingCriteriaList
 
 PRESETS = {
     # vocab, hidden, layers, heads
@@ -134,6 +136,10 @@ def main():
         return run
 
     no_stop = dict(stop_tokens=[-1])  # every call generates exactly n tokens
+    # A stopping criterion that never stops (lm-eval's generate_until passes one): generate then
+    # runs our generation step by step, the criterion checked on the host after each token.
+    never = StoppingCriteriaList([lambda input_ids, scores, **kw: torch.zeros(
+        input_ids.shape[0], dtype=torch.bool, device=input_ids.device)])
     fns = {
         "nn": gen(nn_model, n_full, **no_stop), "nn_half": gen(nn_model, n_half, **no_stop),
         "hf": gen(hf_model, n_full, eos_token_id=None),
@@ -141,6 +147,8 @@ def main():
         "loop": gen(hf_model, n_full, eos_token_id=None, return_dict_in_generate=True),
         "loop_half": gen(hf_model, n_half, eos_token_id=None, return_dict_in_generate=True),
         "nn_one": gen(nn_model, 1, **no_stop), "hf_one": gen(hf_model, 1, eos_token_id=None),
+        "steps": gen(hf_model, n_full, eos_token_id=None, stopping_criteria=never),
+        "steps_half": gen(hf_model, n_half, eos_token_id=None, stopping_criteria=never),
     }
     for fn in fns.values():
         fn()
@@ -155,6 +163,7 @@ def main():
         ("generated token", per_token("nn"), per_token("hf")),
         (f"generate call ({n_full} tokens)", gen_t["nn"], gen_t["hf"]),
         ("generate call (1 token)", gen_t["nn_one"], gen_t["hf_one"]),
+        ("token, with a stopping criterion", per_token("nn"), per_token("steps")),
         ("token, transformers' loop", per_token("nn"), per_token("loop")),
     ]
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
