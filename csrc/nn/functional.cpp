@@ -72,7 +72,11 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
                                double eps, torch::ScalarType out_dtype) {
     const auto weight = weight_in.value_or(torch::Tensor());
     auto x2 = rows_view(x);
-    auto w = weight.defined() ? weight.to(torch::kFloat32).contiguous() : torch::Tensor();
+    // The forward reads a float32 weight or one of x's dtype as it is (no copy per call in
+    // decoding); the backward kernels take float32.
+    auto w = weight.defined() ? weight.contiguous() : torch::Tensor();
+    if (w.defined() && w.scalar_type() != torch::kFloat32 && w.scalar_type() != x.scalar_type())
+      w = w.to(torch::kFloat32);
     auto y = torch::empty(x.sizes(), x.options().dtype(out_dtype));
     auto rstd = torch::empty({x2.size(0), x2.size(1) / group}, x.options().dtype(torch::kFloat32));
     cuda::rms_norm_forward(x2, w, group, eps, y.view({-1, x2.size(1)}), rstd);
@@ -86,7 +90,8 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto &x2 = saved[0], &rstd = saved[2];
+    const auto w = saved[1].defined() ? saved[1].to(torch::kFloat32) : saved[1];
     const int64_t group = ctx->saved_data["group"].toInt();
     auto dy = aligned(rows_view(grads[0]));
     auto dx = torch::empty(x2.sizes(), x2.options());

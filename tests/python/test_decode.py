@@ -89,6 +89,20 @@ def test_cache_seqlens_and_seq_start(Tq):
     assert torch.equal(out, out2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [16, 80, 96, 200, 256])
+@pytest.mark.parametrize("Tq", [1, 5])
+def test_other_head_dims(dtype, D, Tq):
+    # Head dims other than 64/128 (and float32) decode through the generic split-KV kernels:
+    # correct for any D <= 256, with GQA, per-row lengths and left padding.
+    B, Tk = 3, 3000
+    q, k, v, g = make_inputs(B, Tq, Tk, 6, 2, D, dtype=dtype, device="cuda", regime="mixed")
+    lengths = torch.tensor([Tk, Tq + 7, 1500], device="cuda")
+    starts = torch.tensor([0, 2, 1000], device="cuda")
+    check_forward(q, k, v, g)
+    check_forward(q, k, v, g, cache_seqlens=lengths, seq_start=starts)
+
+
 def test_rows_inside_the_padding_are_zero():
     q, k, v, g = make_inputs(2, 4, 300, 4, 2, 64, dtype=torch.float16, device="cuda")
     starts = torch.tensor([298, 0], device="cuda")  # row 0: queries 296, 297 see no key

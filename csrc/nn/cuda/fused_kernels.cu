@@ -80,9 +80,9 @@ __device__ __forceinline__ int64_t block_row() {
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
-template <typename in_t, typename out_t, int VEC>
+template <typename in_t, typename out_t, typename w_t, int VEC>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
-                                        const float* __restrict__ w, out_t* __restrict__ y,
+                                        const w_t* __restrict__ w, out_t* __restrict__ y,
                                         float* __restrict__ rstd, int64_t rows, int C, int G,
                                         float eps) {
   const int64_t row = block_row();
@@ -97,7 +97,7 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
   if (!active) return;
   if (c % G == 0) rstd[row * (C / G) + c / G] = r;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) v[i] *= r * (w ? w[c + i] : 1.f);
+  for (int i = 0; i < VEC; ++i) v[i] *= r * (w ? static_cast<float>(w[c + i]) : 1.f);
   store(y + row * C + c, v);
 }
 
@@ -458,13 +458,24 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   const int vec = checked_width(C, group, {x, y});
   const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
+  // The weight is read in its own dtype: float32, or x's (a bf16 model's norms, without a
+  // float32 copy per call).
+  const bool float_weight = !weight.defined() || weight.scalar_type() == at::kFloat;
+  TORCH_CHECK(float_weight || weight.scalar_type() == x.scalar_type(),
+              "rms_norm_forward: weight must be float32 or x's dtype");
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_forward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(y.scalar_type(), "rms_norm_forward", [&] {
       FOX_VEC_SWITCH(vec, [&] {
-        rms_norm_forward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
-            x.data_ptr<in_t>(), x.stride(0), optional_float(weight), y.data_ptr<scalar_t>(),
-            rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+        if (float_weight) {
+          rms_norm_forward_kernel<in_t, scalar_t, float, VEC><<<L.grid, L.block, L.smem, stream>>>(
+              x.data_ptr<in_t>(), x.stride(0), optional_float(weight), y.data_ptr<scalar_t>(),
+              rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+        } else {
+          rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+              x.data_ptr<in_t>(), x.stride(0), weight.data_ptr<in_t>(), y.data_ptr<scalar_t>(),
+              rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+        }
       });
     });
   });

@@ -17,6 +17,7 @@ namespace fox::nn::cuda {
 int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors);
 
 // y = x * rsqrt(mean_group(x^2) + eps) * weight, per group of `group` channels; rstd (rows, C/group).
+// weight (C,): float32 or x's dtype (read as it is).
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd);
 // dx (rows, C) and, when defined, dweight (C,) float32.
