@@ -1,8 +1,9 @@
 """Decoding kernel against SDPA without a gate: one (or a few) query tokens against a long cache.
 
 For every shape of the grid (B, H / Hkv, D, Tk) both run on the same tensors in one process, with
-CUDA events, after warm-up, L2 flushed before every repetition (decoding reads the cache from HBM
-in a real model: the previous layers evicted it), median of the repetitions. Next to each time:
+CUDA events, after warm-up, L2 flushed before every call (decoding reads the cache from HBM in a
+real model: the previous layers evicted it), the two sides interleaved call by call, median of the
+repetitions. Next to each time:
 the floor, the bytes that must be read (K, V, and for ours log f) over the measured copy bandwidth.
 
     python3 bench/bench_decode.py                 # the full grid (B 1/8/64, five head layouts, D
@@ -27,19 +28,26 @@ GRID_TK = (2048, 8192, 32768, 131072)
 
 
 def timed_us(fn, flush, reps):
-    for _ in range(3):
-        fn()
-    times = []
+    return timed_side_by_side([fn], flush, reps)[0]
+
+
+def timed_side_by_side(fns, flush, reps):
+    """Median us of each function, the functions interleaved within every repetition (so that a
+    drift of the clocks or of the memory system during the run hits both sides alike)."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+        for fn, t in zip(fns, times):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            t.append(start.elapsed_time(end) * 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def copy_bandwidth(flush):
@@ -125,9 +133,10 @@ def main():
             g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
             qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
             mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
-            ours = timed_us(lambda: fwd(q, k, v, g), flush, args.reps)
-            sdpa = timed_us(lambda: F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, enable_gqa=Hkv < H), flush, args.reps)
+            ours, sdpa = timed_side_by_side(
+                [lambda: fwd(q, k, v, g),
+                 lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                                        enable_gqa=Hkv < H)], flush, args.reps)
             floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
             floor_sdpa = kv_bytes / bandwidth * 1e6
             row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
