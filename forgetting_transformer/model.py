@@ -418,6 +418,17 @@ class ForgettingTransformerPreTrainedModel(PreTrainedModel):
         # from_pretrained overwrites every tensor; nothing to do per module.
         pass
 
+    def get_parameter(self, target: str) -> torch.Tensor:
+        # The C++ modules' tensors are not nn.Parameter attributes (torch's lookup walks
+        # attributes); transformers' loader looks tensors up by name (caching_allocator_warmup with
+        # an accelerator device_map, among others).
+        found = dict(self.named_parameters()).get(target)
+        return found if found is not None else super().get_parameter(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        found = dict(self.named_buffers()).get(target)
+        return found if found is not None else super().get_buffer(target)
+
     def _adopt_children(self, fox_module: torch.nn.Module, names) -> None:
         """Registers the children of an nn (C++) module as our own, so that parameter names are
         the authors' and the tensors are shared (no copy). The nn module is kept unregistered."""
