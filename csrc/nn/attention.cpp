@@ -235,7 +235,7 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   } else {
     fresh = concatenate_projections(linears);
   }
-  auto parts = functional::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
+  auto parts = F::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
   for (size_t i = 0; i < targets.size(); ++i) *targets[i] = parts[i];
   return out;
 }
@@ -327,7 +327,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
   if (ogate_proj) out = functional::gated(p.ogate_logits, out, o.ogate_act());
-  return functional::linear(out, o_proj->weight, o_proj->bias);
+  return o_proj(out);
 }
 
 }  // namespace fox::nn

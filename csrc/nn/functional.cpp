@@ -3,7 +3,6 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
-#include <torch/nn/functional/linear.h>
 #include <torch/nn/functional/loss.h>
 
 #ifdef FOX_WITH_CUDA
@@ -256,21 +255,6 @@ torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const
   }
 #endif
   return (silu ? torch::nn::functional::silu(gate) : torch::sigmoid(gate)) * value;
-}
-
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const torch::Tensor& bias) {
-  if (x.is_cuda() && !torch::GradMode::is_enabled() && x.dim() >= 1 && weight.dim() == 2 &&
-      x.numel() == x.size(-1) && x.size(-1) == weight.size(1) &&
-      x.scalar_type() == weight.scalar_type() &&
-      (!bias.defined() || bias.scalar_type() == weight.scalar_type())) {
-    auto row = x.reshape({-1});
-    auto y = bias.defined() ? at::addmv(bias, weight, row) : at::mv(weight, row);
-    auto sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
-    return y.view(sizes);
-  }
-  return torch::nn::functional::linear(x, weight, bias);
 }
 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels,

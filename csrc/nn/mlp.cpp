@@ -44,9 +44,8 @@ void GatedMLPImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor GatedMLPImpl::forward(const torch::Tensor& x) {
-  auto chunks = functional::linear(x, gate_proj->weight, gate_proj->bias).chunk(2, -1);
-  return functional::linear(functional::gated(chunks[0], chunks[1], options.hidden_act()),
-                            down_proj->weight, down_proj->bias);
+  auto chunks = gate_proj(x).chunk(2, -1);
+  return down_proj(functional::gated(chunks[0], chunks[1], options.hidden_act()));
 }
 
 }  // namespace fox::nn

@@ -26,12 +26,6 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
 /// act(gate) * value with act "swish" (silu) or "sigmoid": SwiGLU, and the attention output gate.
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act);
 
-/// x @ weight^T + bias, as torch::nn::functional::linear; a single row without autograd on CUDA
-/// (a decoding step at batch 1) runs as a matrix-vector product: cuBLAS's GEMM kernels for one
-/// row move the weights at about a third of the bandwidth its GEMV reaches.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const torch::Tensor& bias = torch::Tensor());
-
 /// Per-token cross entropy (float32, the shape of labels) of logits (..., V) against labels
 /// (...) int64; tokens labelled `ignore_index` give 0. Logits are read in their own dtype.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels,
