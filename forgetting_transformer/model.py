@@ -162,6 +162,15 @@ _CHECKED_FIELDS = frozenset({"model_type", "window_size", "attention_bias", "ele
 
 # ---- cache --------------------------------------------------------------------------------------
 
+def _autocast_cache_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype K and V come out in: a float32 model under autocast computes them in the autocast
+    dtype, and a static cache of that dtype avoids a conversion per step (None: the weights')."""
+    weight = next(model.parameters())
+    if weight.dtype == torch.float32 and torch.is_autocast_enabled(weight.device.type):
+        return torch.get_autocast_dtype(weight.device.type)
+    return None
+
+
 class ForgettingTransformerCache(Cache):
     """``past_key_values`` of the models: our C++ KVCache (per layer the keys, values and log
     forget gates of the past tokens and the KV-shift states; the left padding ``seq_start``).
@@ -190,7 +199,7 @@ class ForgettingTransformerCache(Cache):
         if batch_size is None or max_length is None:
             raise ValueError("ForgettingTransformerCache.for_model: give both batch_size and "
                              f"max_length for a static cache, got {batch_size} and {max_length}")
-        return cls(fox.new_static_cache(batch_size, max_length))
+        return cls(fox.new_static_cache(batch_size, max_length, _autocast_cache_dtype(model)))
 
     def layer(self, layer_idx: int) -> fox_nn.LayerCache:
         return self.fox_cache.layer(layer_idx)
@@ -654,7 +663,8 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
         blockwise = (model_kwargs.get("inputs_embeds") is not None
                      or generation_config.output_hidden_states)
         if (generation_config.num_beams or 1) == 1 and not blockwise:
-            fox_cache = self._fox.new_static_cache(batch_size * expand, max_cache_length + 1)
+            fox_cache = self._fox.new_static_cache(batch_size * expand, max_cache_length + 1,
+                                                   _autocast_cache_dtype(self))
         else:
             fox_cache = self._fox.new_cache()
         model_kwargs["past_key_values"] = ForgettingTransformerCache(fox_cache)

@@ -1,5 +1,7 @@
 #include <fox/nn/generation.h>
 
+#include <ATen/autocast_mode.h>
+
 #include <algorithm>
 #include <limits>
 
@@ -87,8 +89,14 @@ GenerationSession::GenerationSession(ForgettingTransformerForCausalLM model,
     TORCH_CHECK(lo >= 1 && hi <= T, "generate: prompt_lengths must lie in [1, ", T,
                 "] (the prompt's length), got min ", lo, " max ", hi);
   }
-  const auto device = model_->model->embeddings->weight.device();
-  cache_ = model_->new_static_cache(B, max_length);
+  const auto& weight = model_->model->embeddings->weight;
+  const auto device = weight.device();
+  // A float32 model under autocast computes K and V in the autocast dtype: the cache keeps them
+  // so (half the bytes, the decoding kernel, no conversion per step).
+  std::optional<torch::ScalarType> cache_dtype;
+  if (weight.scalar_type() == torch::kFloat32 && at::autocast::is_autocast_enabled(device.type()))
+    cache_dtype = at::autocast::get_autocast_dtype(device.type());
+  cache_ = model_->new_static_cache(B, max_length, cache_dtype);
   const auto long_opts = torch::TensorOptions().dtype(torch::kLong).device(device);
   tokens_ = torch::zeros({B}, long_opts);
   finished_ = torch::zeros({B}, long_opts.dtype(torch::kBool));

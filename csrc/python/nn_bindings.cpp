@@ -228,10 +228,13 @@ void init_nn_bindings(py::module_& parent) {
            })
       .def(
           "new_static_cache",
-          [](ForgettingTransformerForCausalLMImpl& s, int64_t batch, int64_t max_length) {
-            return std::make_shared<KVCache>(s.new_static_cache(batch, max_length));
+          [](ForgettingTransformerForCausalLMImpl& s, int64_t batch, int64_t max_length,
+             py::object dtype) {
+            std::optional<torch::ScalarType> t;
+            if (!dtype.is_none()) t = torch::python::detail::py_object_to_dtype(dtype);
+            return std::make_shared<KVCache>(s.new_static_cache(batch, max_length, t));
           },
-          py::arg("batch"), py::arg("max_length"))
+          py::arg("batch"), py::arg("max_length"), py::arg("dtype") = py::none())
       .def(
           "generate",
           [](std::shared_ptr<ForgettingTransformerForCausalLMImpl> self,

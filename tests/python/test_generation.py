@@ -194,3 +194,18 @@ def test_decoding_projection_follows_parameter_updates():
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(model(ids), other(ids), rtol=1e-12, atol=1e-12)
+
+
+def test_static_cache_in_the_autocast_dtype():
+    """A float32 model under autocast computes K and V in the autocast dtype; the static cache
+    that generation allocates keeps them in it (no conversion per step), with the same tokens as
+    the growing cache, which stores them as they come."""
+    model = tiny_model("fox_pro", dtype=torch.float32)
+    cache = model.new_static_cache(2, 8, torch.bfloat16)
+    assert cache.layer(0).k.dtype == torch.bfloat16 and cache.layer(0).log_fgate.dtype == torch.float32
+    assert model.new_static_cache(2, 8).layer(0).k.dtype == torch.float32
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        static = model.generate(ids, max_new_tokens=6)
+        growing = model.generate(ids, max_new_tokens=6, static_cache=False)
+    assert torch.equal(static, growing)
