@@ -63,21 +63,27 @@ def causal_mask(tq, tk, device):
     return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
+def decode_inputs(B, tq, H, Hkv, D, Tk, dtype):
+    """q, k, v, log f of ours and the (B, H, T, D) views and mask of SDPA's call, as closures."""
+    q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
+    ours = lambda: torch.ops.fox.forgetting_attention_fwd(q, k, v, g)  # noqa: E731
+    sdpa = lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,  # noqa: E731
+                                                  enable_gqa=Hkv < H)
+    return ours, sdpa
+
+
 def profile(shapes, dtype, tq):
     """Kernel names and device times of ours and SDPA for a few shapes (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    fwd = torch.ops.fox.forgetting_attention_fwd
     for shape in shapes:
         B, H, Hkv, D, Tk = (int(x) for x in shape.split(","))
-        q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
-        k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
-        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-        mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
-        sides = {"ours": lambda: fwd(q, k, v, g),
-                 "SDPA": lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                                                enable_gqa=Hkv < H)}
+        ours, sdpa = decode_inputs(B, tq, H, Hkv, D, Tk, dtype)
+        sides = {"ours": ours, "SDPA": sdpa}
         for name, fn in sides.items():
             for _ in range(5):
                 fn()
@@ -107,7 +113,6 @@ def main():
     dtype = getattr(torch, args.dtype)
     if args.profile:
         return profile(args.profile, dtype, args.tq[0])
-    fwd = torch.ops.fox.forgetting_attention_fwd
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bandwidth = copy_bandwidth(flush)
     device = torch.cuda.get_device_name()
@@ -127,16 +132,8 @@ def main():
             gate_bytes = 4 * B * Tk * H
             if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
                 continue
-            q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
-            k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
-            v = torch.randn_like(k)
-            g = F.logsigmoid(torch.randn(B, Tk, H, device="cuda") + 3.0)
-            qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-            mask = None if tq == 1 else causal_mask(tq, Tk, "cuda")
-            ours, sdpa = timed_side_by_side(
-                [lambda: fwd(q, k, v, g),
-                 lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                                        enable_gqa=Hkv < H)], flush, args.reps)
+            ours, sdpa = timed_side_by_side(list(decode_inputs(B, tq, H, Hkv, D, Tk, dtype)),
+                                            flush, args.reps)
             floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
             floor_sdpa = kv_bytes / bandwidth * 1e6
             row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
@@ -146,7 +143,7 @@ def main():
             print(f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
                   f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
                   f"{100 * floor_ours / ours:.0f}% |", flush=True)
-            del q, k, v, g, qh, kh, vh
+            torch.cuda.empty_cache()
     worst = max(rows, key=lambda r: r["ratio"])
     within = sum(r["ratio"] <= 1.1 for r in rows)
     print(f"{within}/{len(rows)} shapes within 1.1x of SDPA; worst {worst['ratio']:.2f}x at "

@@ -414,6 +414,24 @@ def _describe(module: torch.nn.Module) -> str:
     return name + "(\n  " + "\n  ".join(lines) + "\n)"
 
 
+def _forward_setup(model, attention_mask, past_key_values, use_cache, output_attentions,
+                   output_hidden_states, batch, length, device):
+    """What both forwards resolve first: (output_hidden_states, cache, its C++ cache, seq_start);
+    the left padding of attention_mask is read on the first chunk of a cache only."""
+    if output_attentions:
+        raise ValueError("output_attentions=True is not supported (the attention kernels "
+                         "never form the attention matrix)")
+    output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                            else model.config.output_hidden_states)
+    use_cache = use_cache if use_cache is not None else (
+        model.config.use_cache and not model.training)
+    cache, fox_cache = _cache_for_forward(model, past_key_values, use_cache)
+    seq_start = None
+    if fox_cache is None or len(fox_cache) == 0:
+        seq_start = _seq_start(attention_mask, batch, length, device)
+    return output_hidden_states, cache, fox_cache, seq_start
+
+
 class ForgettingTransformerPreTrainedModel(PreTrainedModel):
     config_class = ForgettingTransformerConfig
     base_model_prefix = "model"
@@ -524,17 +542,9 @@ class ForgettingTransformerModel(ForgettingTransformerPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         batch, length, device = _check_inputs(input_ids, inputs_embeds)
-        if output_attentions:
-            raise ValueError("output_attentions=True is not supported (the attention kernels "
-                             "never form the attention matrix)")
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else self.config.output_hidden_states)
-        use_cache = use_cache if use_cache is not None else (
-            self.config.use_cache and not self.training)
-        cache, fox_cache = _cache_for_forward(self, past_key_values, use_cache)
-        seq_start = None
-        if fox_cache is None or len(fox_cache) == 0:
-            seq_start = _seq_start(attention_mask, batch, length, device)
+        output_hidden_states, cache, fox_cache, seq_start = _forward_setup(
+            self, attention_mask, past_key_values, use_cache, output_attentions,
+            output_hidden_states, batch, length, device)
         hidden_states = None
         if inputs_embeds is None and not output_hidden_states:
             h = self._fox.forward(input_ids, fox_cache, seq_start)
@@ -607,20 +617,12 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
         **kwargs,
     ) -> CausalLMOutputWithPast:
         batch, length, device = _check_inputs(input_ids, inputs_embeds)
-        if output_attentions:
-            raise ValueError("output_attentions=True is not supported (the attention kernels "
-                             "never form the attention matrix)")
         if labels is not None and tuple(labels.shape) != (batch, length):
             raise ValueError(f"labels must be (batch, seqlen) = ({batch}, {length}) like the "
                              f"input, got {tuple(labels.shape)}")
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else self.config.output_hidden_states)
-        use_cache = use_cache if use_cache is not None else (
-            self.config.use_cache and not self.training)
-        cache, fox_cache = _cache_for_forward(self, past_key_values, use_cache)
-        seq_start = None
-        if fox_cache is None or len(fox_cache) == 0:
-            seq_start = _seq_start(attention_mask, batch, length, device)
+        output_hidden_states, cache, fox_cache, seq_start = _forward_setup(
+            self, attention_mask, past_key_values, use_cache, output_attentions,
+            output_hidden_states, batch, length, device)
 
         fox = self._fox
         hidden_states = loss = logits = None
