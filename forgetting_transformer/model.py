@@ -353,33 +353,6 @@ class _EmbeddingLookup(torch.nn.Module):
         return F.embedding(input_ids, self.weight, self.padding_idx)
 
 
-class _AssignableBuffers:
-    """Lets ``module.name = tensor`` replace a buffer of a C++ module (as transformers' loader
-    sets every loaded tensor): the buffer takes the new tensor's data in place, so the C++ module
-    keeps reading it. (The nn wrappers handle parameters so, not buffers.)"""
-
-    def __setattr__(self, name, value):
-        buffers = self.__dict__.get("_buffers")
-        if isinstance(value, torch.Tensor) and buffers is not None and name in buffers:
-            with torch.no_grad():
-                buffers[name].data = value.detach()
-            return
-        super().__setattr__(name, value)
-
-
-_ASSIGNABLE = {}
-
-
-def _make_buffers_assignable(module: torch.nn.Module) -> None:
-    for m in module.modules():
-        cls = type(m)
-        if len(m._buffers) and not issubclass(cls, _AssignableBuffers):
-            if cls not in _ASSIGNABLE:
-                _ASSIGNABLE[cls] = type(cls.__name__, (_AssignableBuffers, cls), {
-                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            m.__class__ = _ASSIGNABLE[cls]
-
-
 def _describe(module: torch.nn.Module) -> str:
     """One module of the tree as the authors' print shows it (the C++ modules print only their
     type): leaves with their shapes, containers with their children, repeats folded."""
@@ -464,7 +437,6 @@ class ForgettingTransformerPreTrainedModel(PreTrainedModel):
             child = fox_module._modules.get(name)
             if child is not None:
                 setattr(self, name, child)
-        _make_buffers_assignable(fox_module)
 
     def train(self, mode: bool = True):
         super().train(mode)

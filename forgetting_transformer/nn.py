@@ -78,6 +78,11 @@ class _CppModuleMixin:
         # module must hold, and its forward read, exactly that tensor.
         if isinstance(value, torch.Tensor) and name in self.__dict__.get("_parameters", ()):
             _nn.replace_parameter(self.cpp_module, name, value)
+        elif isinstance(value, torch.Tensor) and name in self.__dict__.get("_buffers", ()):
+            # A loader that sets every tensor (transformers' from_pretrained): the buffer takes
+            # the new data in place, so the C++ module keeps reading it.
+            with torch.no_grad():
+                self._buffers[name].data = value.detach()
         else:
             super().__setattr__(name, value)
 

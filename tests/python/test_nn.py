@@ -109,6 +109,18 @@ def test_layer_options_and_errors():
         fnn.ForgettingTransformerConfig().preset("rwkv")
 
 
+def test_setattr_of_a_buffer_reaches_the_cpp_module():
+    # Loaders that set every tensor by name (transformers' from_pretrained) replace buffers too.
+    layer = fnn.ForgettingAttentionLayer(32, 4, fgate_type="fixed", fgate_bias_init=True,
+                                         decay_time_min=2.0, decay_time_max=64.0)
+    x = torch.randn(1, 5, 32)
+    before = layer(x)
+    new_bias = torch.full_like(layer.fgate_bias, -3.0)
+    layer.fgate_bias = new_bias
+    assert torch.equal(dict(layer.named_buffers())["fgate_bias"], new_bias)
+    assert not torch.allclose(layer(x), before)
+
+
 def test_state_dict_round_trip(tmp_path):
     c = tiny("fox_pro")
     a = randomized(fnn.ForgettingTransformerForCausalLM(c), seed=1)
