@@ -22,4 +22,6 @@ python3 -m pip install -q --disable-pip-version-check \
 
 source .ci/env.sh
 echo "CUDA toolkit: ${CUDA_HOME:-none (CPU-only build)}"
-MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install -q --no-build-isolation -e .
+# The README's commands run the tests after this: build the Catch2 tests too.
+FOX_BUILD_TESTS=${FOX_BUILD_TESTS:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+  python3 -m pip install -q --no-build-isolation -e .

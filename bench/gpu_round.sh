@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_round.sh build tests decode generate
 #
-# build      pip install -e . (FOX_BUILD_TESTS=0, TORCH_CUDA_ARCH_LIST=9.0a unless set)
+# build      pip install -e . (TORCH_CUDA_ARCH_LIST=9.0a unless set)
 # tests      pytest -m cuda (bad-argument cases deselected: see NOTES, "Hygiene run")
 # decode     bench_decode.py, the full grid (Tq = 1) and Tq 4/16 on the quick grid
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
@@ -19,7 +19,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     build)
-      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} FOX_BUILD_TESTS=0 MAX_JOBS=$(nproc) \
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc) \
         python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/fox_build.log 2>&1 \
         || { tail -40 /tmp/fox_build.log; exit 1; } ;;
     tests)

@@ -2,7 +2,7 @@
 // KV-shift, RoPE, left padding), generation (greedy, sampling filters, stop tokens).
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
 
-#include <catch2/catch.hpp>
+#include "../catch.h"
 
 using namespace fox::nn;
 using fox_test::close;

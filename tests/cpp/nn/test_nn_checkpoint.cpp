@@ -8,7 +8,7 @@
 
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
 
-#include <catch2/catch.hpp>
+#include "../catch.h"
 
 using namespace fox::nn;
 using fox_test::close;
@@ -97,7 +97,7 @@ TEST_CASE("JSON: values, escapes and numbers", "[nn][checkpoint][json]") {
   CHECK(v.find("big")->number == INFINITY);
   CHECK(v.find("tiny")->number == 0.0);
   CHECK(!v.find("huge_int")->is_integer);
-  CHECK(v.find("huge_int")->number == Approx(1.2345678901234568e29));
+  CHECK(v.find("huge_int")->number == fox_test::Approx(1.2345678901234568e29));
   CHECK(v.find("missing") == nullptr);
 
   // dump -> parse is the identity
@@ -144,11 +144,11 @@ TEST_CASE("JSON: malformed documents are errors", "[nn][checkpoint][json]") {
                        "+1",      "[nul]",      "{\"a\":}",     "\"\\ud800\\u0041\""};
   for (const char* s : bad) {
     INFO("input: " << s);
-    CHECK_THROWS_WITH(json::parse(s, "doc"), Catch::Contains("doc: invalid JSON"));
+    CHECK_THROWS_WITH(json::parse(s, "doc"), fox_test::HasSubstring("doc: invalid JSON"));
   }
   std::string deep(300, '[');
   deep += std::string(300, ']');
-  CHECK_THROWS_WITH(json::parse(deep), Catch::Contains("nesting"));
+  CHECK_THROWS_WITH(json::parse(deep), fox_test::HasSubstring("nesting"));
   std::string ok(200, '[');
   ok += std::string(200, ']');
   CHECK_NOTHROW(json::parse(ok));
@@ -224,24 +224,24 @@ TEST_CASE("config.json: the authors' keys, defaults and errors", "[nn][checkpoin
 
   // errors name the key
   CHECK_THROWS_WITH(config_from_json(R"({"hidden_size": "64"})", "cfg.json"),
-                    Catch::Contains("cfg.json") && Catch::Contains("'hidden_size' must be an integer"));
+                    fox_test::HasSubstring("cfg.json") && fox_test::HasSubstring("'hidden_size' must be an integer"));
   CHECK_THROWS_WITH(config_from_json(R"({"hidden_size": 64.5})"),
-                    Catch::Contains("'hidden_size' must be an integer"));
-  CHECK_THROWS_WITH(config_from_json(R"({"qk_norm": 1})"), Catch::Contains("'qk_norm' must be true"));
+                    fox_test::HasSubstring("'hidden_size' must be an integer"));
+  CHECK_THROWS_WITH(config_from_json(R"({"qk_norm": 1})"), fox_test::HasSubstring("'qk_norm' must be true"));
   CHECK_THROWS_WITH(config_from_json(R"({"norm_eps": "1e-6"})"),
-                    Catch::Contains("'norm_eps' must be a number"));
+                    fox_test::HasSubstring("'norm_eps' must be a number"));
   CHECK_THROWS_WITH(config_from_json(R"({"fgate_type": 3})"),
-                    Catch::Contains("'fgate_type' must be a string"));
-  CHECK_THROWS_WITH(config_from_json("[1]"), Catch::Contains("must be a JSON object"));
+                    fox_test::HasSubstring("'fgate_type' must be a string"));
+  CHECK_THROWS_WITH(config_from_json("[1]"), fox_test::HasSubstring("must be a JSON object"));
   CHECK_THROWS_WITH(config_from_json(R"({"model_type": "mamba2-project_fox"})"),
-                    Catch::Contains("not a forgetting_transformer"));
-  CHECK_THROWS_WITH(config_from_json(R"({"window_size": 512})"), Catch::Contains("window_size"));
+                    fox_test::HasSubstring("not a forgetting_transformer"));
+  CHECK_THROWS_WITH(config_from_json(R"({"window_size": 512})"), fox_test::HasSubstring("window_size"));
   CHECK_THROWS_WITH(config_from_json(R"({"elementwise_affine": false})"),
-                    Catch::Contains("elementwise_affine"));
+                    fox_test::HasSubstring("elementwise_affine"));
   CHECK_THROWS_WITH(config_from_json(R"({"attention_bias": true})"),
-                    Catch::Contains("attention_bias"));
+                    fox_test::HasSubstring("attention_bias"));
   CHECK_THROWS_WITH(config_from_json("{\"vocab_size\": 3", "cfg.json"),
-                    Catch::Contains("cfg.json: invalid JSON"));
+                    fox_test::HasSubstring("cfg.json: invalid JSON"));
 }
 
 // ---- safetensors --------------------------------------------------------------------------------
@@ -294,9 +294,9 @@ TEST_CASE("safetensors: dtypes, shapes, metadata and layout", "[nn][checkpoint][
   CHECK(f.contains("bf16"));
   CHECK(f.entries().at("bf16").dtype == torch::kBFloat16);
   CHECK(torch::equal(f.read("i64"), t["i64"]));
-  CHECK_THROWS_WITH(f.read("nope"), Catch::Contains("no tensor 'nope'") && Catch::Contains(path));
+  CHECK_THROWS_WITH(f.read("nope"), fox_test::HasSubstring("no tensor 'nope'") && fox_test::HasSubstring(path));
   CHECK_THROWS_WITH(save_safetensors(dir / "c.safetensors", {{"c", torch::zeros({2}, torch::kComplexFloat)}}),
-                    Catch::Contains("no safetensors name"));
+                    fox_test::HasSubstring("no safetensors name"));
 }
 
 TEST_CASE("safetensors: corrupted files are errors naming the file", "[nn][checkpoint][safetensors]") {
@@ -313,7 +313,7 @@ TEST_CASE("safetensors: corrupted files are errors naming the file", "[nn][check
     CHECK(e.find(msg) != std::string::npos);
   };
   CHECK_THROWS_WITH(load_safetensors(dir / "missing.safetensors"),
-                    Catch::Contains("no such file") && Catch::Contains("missing.safetensors"));
+                    fox_test::HasSubstring("no such file") && fox_test::HasSubstring("missing.safetensors"));
   expect_error("abc", "too short");
   expect_error(bytes.substr(0, bytes.size() - 3), "runs past the end");              // truncated
   expect_error(bytes + "xx", "trailing");                                              // extra data
@@ -437,7 +437,7 @@ TEST_CASE("load_pretrained: tied embeddings, shards, extra tensors", "[nn][check
   save_safetensors(dir / "model.safetensors", tensors);
   CHECK(close(load_pretrained(dir.str())(ids), ref, 0.0));  // extra tensor: a warning
   CHECK_THROWS_WITH(load_pretrained(dir.str(), std::nullopt, std::nullopt, /*strict=*/true),
-                    Catch::Contains("rotary.inv_freq") && Catch::Contains("does not have"));
+                    fox_test::HasSubstring("rotary.inv_freq") && fox_test::HasSubstring("does not have"));
 
   // sharded: model.safetensors.index.json + two shard files
   TempDir sh("shard");
@@ -463,7 +463,7 @@ TEST_CASE("load_pretrained: tied embeddings, shards, extra tensors", "[nn][check
                                                                  : "model-00001-of-00002.safetensors"));
   write_bytes(sh / "model.safetensors.index.json", json::dump(index, 2));
   CHECK_THROWS_WITH(load_pretrained(sh.str()),
-                    Catch::Contains("'model.norm.weight' is not in its shard"));
+                    fox_test::HasSubstring("'model.norm.weight' is not in its shard"));
 }
 
 TEST_CASE("load_pretrained: missing files, missing tensors, shape mismatches",
@@ -473,7 +473,7 @@ TEST_CASE("load_pretrained: missing files, missing tensors, shape mismatches",
   ForgettingTransformerForCausalLM a(cfg);
   TempDir dir("err");
   CHECK_THROWS_WITH(load_pretrained(dir.str()),
-                    Catch::Contains("cannot open") && Catch::Contains("config.json"));
+                    fox_test::HasSubstring("cannot open") && fox_test::HasSubstring("config.json"));
   save_pretrained(a, dir.str());
   auto st = dir / "model.safetensors";
   auto tensors = load_safetensors(st);
@@ -483,31 +483,31 @@ TEST_CASE("load_pretrained: missing files, missing tensors, shape mismatches",
   t2.erase("model.layers.1.attn.q_norm.weight");
   save_safetensors(st, t2);
   CHECK_THROWS_WITH(load_pretrained(dir.str()),
-                    Catch::Contains("missing tensor 'model.layers.1.attn.q_norm.weight'") &&
-                        Catch::Contains("model.safetensors"));
+                    fox_test::HasSubstring("missing tensor 'model.layers.1.attn.q_norm.weight'") &&
+                        fox_test::HasSubstring("model.safetensors"));
   // shape mismatch
   t2 = tensors;
   t2["model.layers.0.mlp.down_proj.weight"] = torch::zeros({32, 47});
   save_safetensors(st, t2);
   CHECK_THROWS_WITH(load_pretrained(dir.str()),
-                    Catch::Contains("shape mismatch") &&
-                        Catch::Contains("model.layers.0.mlp.down_proj.weight"));
+                    fox_test::HasSubstring("shape mismatch") &&
+                        fox_test::HasSubstring("model.layers.0.mlp.down_proj.weight"));
   // a config that does not match the weights
   save_safetensors(st, tensors);
   auto other = cfg;
   other.hidden_size(64);
   write_bytes(dir / "config.json", config_to_json(other));
-  CHECK_THROWS_WITH(load_pretrained(dir.str()), Catch::Contains("shape mismatch"));
+  CHECK_THROWS_WITH(load_pretrained(dir.str()), fox_test::HasSubstring("shape mismatch"));
   // corrupted config.json / weights
   write_bytes(dir / "config.json", "{\"hidden_size\": 32,");
   CHECK_THROWS_WITH(load_pretrained(dir.str()),
-                    Catch::Contains("config.json") && Catch::Contains("invalid JSON"));
+                    fox_test::HasSubstring("config.json") && fox_test::HasSubstring("invalid JSON"));
   write_bytes(dir / "config.json", config_to_json(cfg));
   auto bytes = read_bytes(st);
   write_bytes(st, bytes.substr(0, bytes.size() / 2));
-  CHECK_THROWS_WITH(load_pretrained(dir.str()), Catch::Contains("model.safetensors"));
+  CHECK_THROWS_WITH(load_pretrained(dir.str()), fox_test::HasSubstring("model.safetensors"));
   fs::remove(st);
-  CHECK_THROWS_WITH(load_pretrained(dir.str()), Catch::Contains("no model.safetensors"));
+  CHECK_THROWS_WITH(load_pretrained(dir.str()), fox_test::HasSubstring("no model.safetensors"));
   // and the intact checkpoint loads again
   save_safetensors(st, tensors);
   CHECK_NOTHROW(load_pretrained(dir.str()));

@@ -4,7 +4,7 @@
 
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
 
-#include <catch2/catch.hpp>
+#include "../catch.h"
 
 using namespace fox::nn;
 using fox_test::close;
@@ -22,7 +22,7 @@ TEST_CASE("Presets set the paper's architectures", "[nn][model]") {
   auto tp = c.preset("transformer_pro");
   CHECK((tp.fgate_type() == "none" && tp.use_rope() && tp.qk_norm() && tp.use_v_shift()));
   CHECK(tp.rope_base() == 500000.0);
-  CHECK_THROWS_WITH(c.preset("mamba"), Catch::Contains("unknown architecture"));
+  CHECK_THROWS_WITH(c.preset("mamba"), fox_test::HasSubstring("unknown architecture"));
 }
 
 TEST_CASE("Parameter names match the authors' FoX (Pro) 760M module tree", "[nn][model]") {
@@ -165,9 +165,9 @@ TEST_CASE("replace_parameter re-points every parameter, as FSDP2 swaps them", "[
   ForgettingTransformerForCausalLM lm(fox_test::tiny_config("fox_pro"));
   auto& q = *lm->model->layers[0]->as<ForgettingTransformerBlockImpl>()->attn->q_proj;
   CHECK_THROWS_WITH(replace_parameter(q, "weight", torch::zeros({3, 3})),
-                    Catch::Contains("has shape"));
+                    fox_test::HasSubstring("has shape"));
   CHECK_THROWS_WITH(replace_parameter(q, "scale", torch::zeros({3})),
-                    Catch::Contains("no parameter 'scale'"));
+                    fox_test::HasSubstring("no parameter 'scale'"));
 }
 
 TEST_CASE("A block runner sees every block call, and clones run without it", "[nn][model]") {

@@ -15,7 +15,7 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <catch2/catch.hpp>
+#include "../catch.h"
 
 #include <cstdlib>
 #include <iostream>

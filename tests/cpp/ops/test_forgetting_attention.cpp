@@ -8,7 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <catch2/catch.hpp>
+#include "../catch.h"
 
 #include <fox/fox.h>
 
