@@ -6,6 +6,7 @@ FOX_BUILD_TESTS=1 (also build the Catch2 tests; .ci/setup.sh sets it), FOX_BUILD
 build/cmake), MAX_JOBS.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,8 +38,34 @@ def drop_cache_on_new_cuda_compiler(build_dir: Path, nvcc: str) -> None:
             return
 
 
+def _version(text: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
+
+
+def check_build_tools() -> None:
+    """A missing or too old build tool stops the build with one line that names it (pip's build
+    isolation is off in the documented commands, so nothing installs them for us)."""
+    try:
+        import torch
+    except ImportError:
+        sys.exit("fox_torch: building needs torch >= 2.6 installed first (pip install torch), then "
+                 "pip install --no-build-isolation .")
+    if _version(torch.__version__) < (2, 6):
+        sys.exit(f"fox_torch: building needs torch >= 2.6, found {torch.__version__}")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        sys.exit("fox_torch: building needs CMake >= 3.24 on PATH (pip install cmake)")
+    found = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout
+    if _version(found) < (3, 24):
+        sys.exit(f"fox_torch: building needs CMake >= 3.24, found {found.splitlines()[0]} "
+                 "(pip install cmake)")
+    if shutil.which("ninja") is None:
+        sys.exit("fox_torch: building needs Ninja on PATH (pip install ninja)")
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
+        check_build_tools()
         import torch
 
         package_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
