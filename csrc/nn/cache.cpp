@@ -6,29 +6,43 @@
 
 namespace fox::nn {
 
+#ifdef FOX_WITH_CUDA
+namespace {
+
+// A decoding step's three cache writes in one kernel (three scatters are three launches per layer
+// and step), where it takes the tensors: the cache's dtypes, float32 gates, and (heads, head dim)
+// dense in every row, so that the (B, T, C) views below share the buffers' memory. Returns false
+// otherwise; the caller then scatters.
+bool fused_cache_write(const torch::Tensor& k_new, const torch::Tensor& v_new,
+                       const torch::Tensor& lf_new, const torch::Tensor& positions,
+                       torch::Tensor& k, torch::Tensor& v, torch::Tensor& log_fgate) {
+  auto dense_rows = [](const torch::Tensor& t) {
+    return t.stride(3) == 1 && t.stride(2) == t.size(3);
+  };
+  if (k_new.scalar_type() != k.scalar_type() || v_new.scalar_type() != v.scalar_type() ||
+      lf_new.scalar_type() != torch::kFloat32 || log_fgate.scalar_type() != torch::kFloat32 ||
+      !dense_rows(k) || !dense_rows(v) || !dense_rows(k_new) || !dense_rows(v_new) ||
+      lf_new.stride(2) != 1 || log_fgate.stride(2) != 1 || !positions.is_contiguous()) {
+    return false;
+  }
+  auto rows = [](const torch::Tensor& t) { return t.view({t.size(0), t.size(1), -1}); };
+  cuda::cache_write(rows(k_new), rows(v_new), lf_new, positions, rows(k), rows(v), log_fgate);
+  return true;
+}
+
+}  // namespace
+#endif
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
     const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& lf_new) {
   if (is_static()) {
-    // scatter_ along time at each row's positions: no host sync, fixed addresses (graph-safe).
+    // Written at each row's positions: no host sync, fixed addresses (graph-safe).
     const int64_t B = k_new.size(0), T = k_new.size(1);
     TORCH_CHECK(B == k.size(0), "KVCache: batch size ", B, " does not match the static cache's ",
                 k.size(0));
 #ifdef FOX_WITH_CUDA
-    // One fused kernel on CUDA (the three scatters below are three launches per layer and step).
-    auto rows = [&](const torch::Tensor& t) { return t.reshape({t.size(0), t.size(1), -1}); };
-    // The buffers are written through these: views (heads and head dim dense), never copies.
-    auto flat = [](const torch::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == t.size(3); };
-    auto kn = rows(k_new), vn = rows(v_new);
-    auto kc = flat(k) ? rows(k) : k, vc = flat(v) ? rows(v) : v;
-    if (k.is_cuda() && flat(k) && flat(v) && k_new.scalar_type() == k.scalar_type() &&
-        v_new.scalar_type() == v.scalar_type() && lf_new.scalar_type() == torch::kFloat32 &&
-        log_fgate.scalar_type() == torch::kFloat32 && kn.stride(2) == 1 && vn.stride(2) == 1 &&
-        lf_new.stride(2) == 1 && kc.stride(2) == 1 && vc.stride(2) == 1 &&
-        log_fgate.stride(2) == 1 && positions.is_contiguous() && kn.size(2) == kc.size(2) &&
-        kn.size(2) == vn.size(2)) {
-      cuda::cache_write(kn, vn, lf_new, positions, kc, vc, log_fgate);
+    if (k.is_cuda() && fused_cache_write(k_new, v_new, lf_new, positions, k, v, log_fgate))
       return {k, v, log_fgate};
-    }
 #endif
     auto idx = positions.view({B, T, 1, 1});
     k.scatter_(1, idx.expand(k_new.sizes()), k_new.to(k.scalar_type()));

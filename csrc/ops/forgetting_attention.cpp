@@ -29,6 +29,18 @@ at::Tensor checked_index_tensor(const at::Tensor& x, const char* name, const at:
   return x.to(at::kLong).contiguous();
 }
 
+// checked_index_tensor for a per-row tensor (batch entries); with check_values, also (min, max)
+// of its values, read back in one transfer (none when B == 0 or under CUDA graph capture).
+std::pair<at::Tensor, std::optional<std::pair<int64_t, int64_t>>> checked_row_tensor(
+    const at::Tensor& x, const char* name, const at::Tensor& q, int64_t B, bool check_values) {
+  auto t = checked_index_tensor(x, name, q);
+  TORCH_CHECK(t.numel() == B, name, " must have batch=", B, " entries, got ", t.numel());
+  if (B == 0 || !check_values) return {t, std::nullopt};
+  auto [lo, hi] = at::aminmax(t);
+  const auto host = at::stack({lo, hi}).cpu();
+  return {t, std::make_pair(host[0].item<int64_t>(), host[1].item<int64_t>())};
+}
+
 }  // namespace
 
 IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -88,12 +100,10 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
   if (seq_start.has_value()) {
     TORCH_CHECK(!cu_seqlens.has_value(),
                 "seq_start and cu_seqlens cannot be combined: pack only the valid tokens instead");
-    idx.seq_start = checked_index_tensor(*seq_start, "seq_start", q);
-    TORCH_CHECK(idx.seq_start->numel() == B, "seq_start must have batch=", B,
-                " entries, got ", idx.seq_start->numel());
-    if (B > 0 && check_index_values) {
-      const auto lo = idx.seq_start->min().item<int64_t>();
-      const auto hi = idx.seq_start->max().item<int64_t>();
+    auto [t, range] = checked_row_tensor(*seq_start, "seq_start", q, B, check_index_values);
+    idx.seq_start = t;
+    if (range) {
+      const auto [lo, hi] = *range;
       TORCH_CHECK(lo >= 0 && hi < std::max<int64_t>(Tk, 1),
                   "seq_start values must lie in [0, seqlen_k=", Tk, "), got min ", lo, " max ",
                   hi);
@@ -121,12 +131,11 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(!cu_seqlens.has_value(),
                 "cache_seqlens and cu_seqlens cannot be combined: cache_seqlens describes a padded "
                 "(batch, seqlen_k) cache, cu_seqlens a packed batch");
-    idx.cache_seqlens = checked_index_tensor(*cache_seqlens, "cache_seqlens", q);
-    TORCH_CHECK(idx.cache_seqlens->numel() == B, "cache_seqlens must have batch=", B,
-                " entries, got ", idx.cache_seqlens->numel());
-    if (B > 0 && check_index_values) {
-      const auto lo = idx.cache_seqlens->min().item<int64_t>();
-      const auto hi = idx.cache_seqlens->max().item<int64_t>();
+    auto [t, range] =
+        checked_row_tensor(*cache_seqlens, "cache_seqlens", q, B, check_index_values);
+    idx.cache_seqlens = t;
+    if (range) {
+      const auto [lo, hi] = *range;
       TORCH_CHECK(lo >= Tq && hi <= Tk, "cache_seqlens values must lie in [seqlen_q=", Tq,
                   ", seqlen_k=", Tk, "] (every row holds its seqlen_q queries), got min ", lo,
                   " max ", hi);

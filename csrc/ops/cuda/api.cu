@@ -104,18 +104,21 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, key_tiles);
   if (override_splits > 0) return static_cast<int>(std::min<int64_t>(override_splits, max_splits));
-  auto splits_of = [&](int64_t tiles_per_chunk) {
+  // s chunks of ceil(key_tiles / s) tiles: ceil(key_tiles / that) of them are non-empty. Over
+  // s = 1..max_splits this gives every equal-chunk split (at most max_splits candidates, not one
+  // per key tile: the plan runs on every eager decoding step).
+  auto equal_chunks = [&](int64_t s) {
+    const int64_t tiles_per_chunk = (key_tiles + s - 1) / s;
     return (key_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
   };
   auto efficiency = [&](int64_t splits) {
     const int64_t blocks = base * splits, waves = (blocks + wave - 1) / wave;
     return static_cast<double>(blocks) / static_cast<double>(waves * wave);
   };
-  const int64_t min_tiles = (key_tiles + max_splits - 1) / max_splits;
   double best = 0.0;
-  for (int64_t c = min_tiles; c <= key_tiles; ++c) best = std::max(best, efficiency(splits_of(c)));
-  for (int64_t c = key_tiles; c >= min_tiles; --c)
-    if (efficiency(splits_of(c)) >= 0.85 * best) return static_cast<int>(splits_of(c));
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(equal_chunks(s)));
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (efficiency(equal_chunks(s)) >= 0.85 * best) return static_cast<int>(equal_chunks(s));
   return 1;
 }
 
