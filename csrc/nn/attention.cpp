@@ -235,7 +235,7 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   } else {
     fresh = concatenate_projections(linears);
   }
-  auto parts = F::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
+  auto parts = functional::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
   for (size_t i = 0; i < targets.size(); ++i) *targets[i] = parts[i];
   return out;
 }
@@ -272,6 +272,9 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   auto p = project_input(x);
   auto shifted = [&](ShiftLinear& shift, const torch::Tensor& projected,
                      const torch::Tensor& logits, torch::Tensor* state) {
+    // A static cache's state is updated in place (one kernel with the mix in a decoding step).
+    if (static_cache && state->defined())
+      return functional::shift_mix_update(projected, logits, *state);
     std::optional<torch::Tensor> prev;
     if (cache && state->defined()) prev = *state;
     auto [out, last] = shift->shift(projected, logits, prev);
@@ -300,8 +303,14 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     q = apply_rotary(q, positions, o.rope_base());
     k = apply_rotary(k, positions, o.rope_base());
   }
-  auto log_fgate = log_forget_gate_from(x, p.fgate_logits);  // (B, T, H) fp32 (fp64 models: fp64)
-  if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
+  torch::Tensor log_fgate;  // (B, T, H) fp32 (fp64 models: fp64)
+  if (static_cache && o.fgate_type() == "full") {
+    // The log-sigmoid of the gate logits is computed while they are written to the cache.
+    std::tie(k, v, log_fgate) = cache->update_from_gate_logits(k, v, p.fgate_logits);
+  } else {
+    log_fgate = log_forget_gate_from(x, p.fgate_logits);
+    if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
+  }
   const int64_t Tk = k.size(1);
 
   AttentionOptions aopts;
@@ -327,7 +336,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
   if (ogate_proj) out = functional::gated(p.ogate_logits, out, o.ogate_act());
-  return o_proj(out);
+  return functional::linear(out, o_proj->weight, o_proj->bias);
 }
 
 }  // namespace fox::nn

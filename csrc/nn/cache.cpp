@@ -11,22 +11,27 @@ namespace {
 
 // A decoding step's three cache writes in one kernel (three scatters are three launches per layer
 // and step), where it takes the tensors: the cache's dtypes, float32 gates, and (heads, head dim)
-// dense in every row, so that the (B, T, C) views below share the buffers' memory. Returns false
-// otherwise; the caller then scatters.
+// dense in every row, so that the (B, T, C) views below share the buffers' memory. The gates are
+// float32 log f, or with gate_logits the forget gate's logits (float32 or the cache's dtype).
+// Returns false otherwise; the caller then scatters.
 bool fused_cache_write(const torch::Tensor& k_new, const torch::Tensor& v_new,
-                       const torch::Tensor& lf_new, const torch::Tensor& positions,
-                       torch::Tensor& k, torch::Tensor& v, torch::Tensor& log_fgate) {
+                       const torch::Tensor& lf_new, bool gate_logits,
+                       const torch::Tensor& positions, torch::Tensor& k, torch::Tensor& v,
+                       torch::Tensor& log_fgate) {
   auto dense_rows = [](const torch::Tensor& t) {
     return t.stride(3) == 1 && t.stride(2) == t.size(3);
   };
+  const bool gate_dtype_ok = lf_new.scalar_type() == torch::kFloat32 ||
+                             (gate_logits && lf_new.scalar_type() == k.scalar_type());
   if (k_new.scalar_type() != k.scalar_type() || v_new.scalar_type() != v.scalar_type() ||
-      lf_new.scalar_type() != torch::kFloat32 || log_fgate.scalar_type() != torch::kFloat32 ||
+      !gate_dtype_ok || log_fgate.scalar_type() != torch::kFloat32 ||
       !dense_rows(k) || !dense_rows(v) || !dense_rows(k_new) || !dense_rows(v_new) ||
       lf_new.stride(2) != 1 || log_fgate.stride(2) != 1 || !positions.is_contiguous()) {
     return false;
   }
   auto rows = [](const torch::Tensor& t) { return t.view({t.size(0), t.size(1), -1}); };
-  cuda::cache_write(rows(k_new), rows(v_new), lf_new, positions, rows(k), rows(v), log_fgate);
+  cuda::cache_write(rows(k_new), rows(v_new), lf_new, gate_logits, positions, rows(k), rows(v),
+                    log_fgate);
   return true;
 }
 
@@ -41,7 +46,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
     TORCH_CHECK(B == k.size(0), "KVCache: batch size ", B, " does not match the static cache's ",
                 k.size(0));
 #ifdef FOX_WITH_CUDA
-    if (k.is_cuda() && fused_cache_write(k_new, v_new, lf_new, positions, k, v, log_fgate))
+    if (k.is_cuda() &&
+        fused_cache_write(k_new, v_new, lf_new, /*gate_logits=*/false, positions, k, v, log_fgate))
       return {k, v, log_fgate};
 #endif
     auto idx = positions.view({B, T, 1, 1});
@@ -63,6 +69,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update(
     log_fgate = torch::cat({log_fgate, lf_new}, 1);
   }
   return {k, v, log_fgate};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LayerCache::update_from_gate_logits(
+    const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& fgate_logits) {
+#ifdef FOX_WITH_CUDA
+  if (is_static() && k.is_cuda() && k_new.size(0) == k.size(0) &&
+      fused_cache_write(k_new, v_new, fgate_logits, /*gate_logits=*/true, positions, k, v,
+                        log_fgate))
+    return {k, v, log_fgate};
+#endif
+  const auto fdt =
+      fgate_logits.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  return update(k_new, v_new, torch::log_sigmoid(fgate_logits.to(fdt)));
 }
 
 void LayerCache::set_state(torch::Tensor& state, const torch::Tensor& last) const {

@@ -1,12 +1,17 @@
 #include <fox/nn/functional.h>
 
+#include <cstdlib>
+#include <string>
+
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
 #include <torch/nn/functional/loss.h>
 
 #ifdef FOX_WITH_CUDA
 #include "cuda/fused_kernels.h"
+#include "cuda/small_batch_linear.h"
 #endif
 
 namespace fox::nn::functional {
@@ -56,6 +61,15 @@ bool rows_fit(int64_t channels, int64_t group, std::initializer_list<torch::Tens
   return cuda::row_vector_width(channels, group, tensors) > 0;
 }
 #endif
+
+// No autograd graph would be recorded through these tensors: the inference-only fused paths.
+bool without_autograd(std::initializer_list<torch::Tensor> tensors) {
+  if (!torch::GradMode::is_enabled()) return true;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.requires_grad()) return false;
+  }
+  return true;
+}
 
 bool is_silu(const std::string& act) {
   if (act == "swish" || act == "silu") return true;
@@ -212,6 +226,91 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int6
   return y.to(out_dtype);
 }
 
+std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                     const torch::Tensor& delta,
+                                                     const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.sizes() == delta.sizes(), "add_rms_norm: x ", x.sizes(), " and delta ",
+              delta.sizes(), " must have the same shape");
+#ifdef FOX_WITH_CUDA
+  const int64_t C = x.dim() > 0 ? x.size(-1) : 0;
+  if (fused(x) && x.numel() > 0 && delta.scalar_type() == x.scalar_type() &&
+      delta.device() == x.device() && x.scalar_type() != torch::kFloat32 &&
+      (!weight.defined() || (weight.dim() == 1 && weight.size(0) == C)) &&
+      without_autograd({x, delta, weight})) {
+    auto x2 = rows_view(x), d2 = rows_view(delta);
+    if (rows_fit(C, C, {x2, d2})) {
+      auto w = weight;
+      if (w.defined() && w.scalar_type() != torch::kFloat32 && w.scalar_type() != x.scalar_type())
+        w = w.to(torch::kFloat32);
+      auto sum = torch::empty(x.sizes(), x.options());
+      auto y = torch::empty(x.sizes(), x.options());
+      auto rstd = torch::empty({x2.size(0), 1}, x.options().dtype(torch::kFloat32));
+      cuda::rms_norm_forward(x2, w.defined() ? w.contiguous() : w, C, eps, y.view({-1, C}), rstd,
+                             d2, sum.view({-1, C}));
+      return {sum, y};
+    }
+  }
+#endif
+  auto sum = x + delta;
+  return {sum, rms_norm(sum, weight, sum.size(-1), eps)};
+}
+
+torch::Tensor shift_mix_update(const torch::Tensor& cur, const torch::Tensor& shift_logits,
+                               torch::Tensor& state) {
+  TORCH_CHECK(cur.dim() == 3 && state.dim() == 2 && state.size(0) == cur.size(0) &&
+                  state.size(1) == cur.size(2),
+              "shift_mix_update: state must be (batch, channels) of cur ", cur.sizes(), ", got ",
+              state.sizes());
+#ifdef FOX_WITH_CUDA
+  const int64_t C = cur.size(2);
+  if (fused(cur) && cur.size(1) == 1 && cur.numel() > 0 &&
+      shift_logits.scalar_type() == cur.scalar_type() &&
+      state.scalar_type() == cur.scalar_type() && state.is_contiguous() &&
+      shift_logits.dim() == 3 && shift_logits.size(0) == cur.size(0) &&
+      shift_logits.size(1) == 1 && shift_logits.size(2) > 0 && C % shift_logits.size(2) == 0 &&
+      without_autograd({cur, shift_logits, state}) &&
+      rows_fit(C, C / shift_logits.size(2), {last_contiguous(cur), state})) {
+    auto c = last_contiguous(cur);
+    auto out = torch::empty(c.sizes(), c.options());
+    cuda::shift_mix_forward(c, last_contiguous(shift_logits), state, out, state);
+    return out;
+  }
+#endif
+  auto out = shift_mix(cur, shift_logits, state);
+  state.copy_(cur.select(1, cur.size(1) - 1));
+  return out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& bias, const torch::Tensor& residual) {
+#ifdef FOX_WITH_CUDA
+  // FOX_SMALL_BATCH_LINEAR=0: always F.linear (for comparisons).
+  static const bool enabled = [] {
+    const char* v = std::getenv("FOX_SMALL_BATCH_LINEAR");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  // Under autocast F.linear would compute in the autocast dtype: only that dtype takes the kernel.
+  if (enabled && x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
+      x.numel() / x.size(-1) <= cuda::kSmallBatchMaxRows &&
+      (!at::autocast::is_autocast_enabled(x.device().type()) ||
+       at::autocast::get_autocast_dtype(x.device().type()) == x.scalar_type()) &&
+      without_autograd({x, weight, bias, residual})) {
+    auto x2 = rows_view(x);
+    auto r2 = residual.defined() && residual.dim() >= 1 ? rows_view(residual) : torch::Tensor();
+    if ((!residual.defined() || r2.size(0) == x2.size(0)) &&
+        cuda::small_batch_linear_fits(x2, weight, bias, r2)) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = weight.size(0);
+      auto y = torch::empty(sizes, x.options());
+      cuda::small_batch_linear(x2, weight, bias, r2, y.view({-1, weight.size(0)}));
+      return y;
+    }
+  }
+#endif
+  auto y = torch::nn::functional::linear(x, weight, bias);
+  return residual.defined() ? y + residual : y;
+}
+
 torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_logits,
                         const std::optional<torch::Tensor>& first) {
   TORCH_CHECK(cur.dim() == 3, "shift_mix: cur must be (batch, seqlen, channels), got ", cur.sizes());
@@ -255,6 +354,22 @@ torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const
   }
 #endif
   return (silu ? torch::nn::functional::silu(gate) : torch::sigmoid(gate)) * value;
+}
+
+torch::Tensor argmax(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "argmax: x must have a non-empty last dimension, got ",
+              x.sizes());
+#ifdef FOX_WITH_CUDA
+  if (fused(x)) {
+    auto rows = rows_view(x);
+    auto out = torch::empty({rows.size(0)}, x.options().dtype(torch::kLong));
+    cuda::argmax(rows, out);
+    auto sizes = x.sizes().vec();
+    sizes.pop_back();
+    return out.view(sizes);
+  }
+#endif
+  return x.argmax(-1);
 }
 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels,

@@ -1,5 +1,7 @@
 #include <fox/nn/generation.h>
 
+#include <fox/nn/functional.h>
+
 #include <ATen/autocast_mode.h>
 
 #include <algorithm>
@@ -17,7 +19,7 @@ namespace fox::nn {
 torch::Tensor sample_next_token(const torch::Tensor& logits_in, const GenerationOptions& o) {
   TORCH_CHECK(logits_in.dim() == 2, "sample_next_token: logits must be (batch, vocab), got ",
               logits_in.sizes());
-  if (!o.do_sample() || o.temperature() <= 0) return logits_in.argmax(-1);
+  if (!o.do_sample() || o.temperature() <= 0) return functional::argmax(logits_in);
   auto logits = logits_in.to(torch::kFloat32) / o.temperature();
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const int64_t V = logits.size(-1);
@@ -35,7 +37,7 @@ torch::Tensor sample_next_token(const torch::Tensor& logits_in, const Generation
   }
   // Gumbel-max: argmax(logits + G), G = -log(-log U), is a draw from softmax(logits).
   auto u = torch::rand_like(logits).clamp_min_(std::numeric_limits<float>::min());
-  return (logits - torch::log(-torch::log(u))).argmax(-1);
+  return functional::argmax(logits - torch::log(-torch::log(u)));
 }
 
 // ---- GenerationSession --------------------------------------------------------------------------

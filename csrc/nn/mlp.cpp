@@ -44,8 +44,14 @@ void GatedMLPImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor GatedMLPImpl::forward(const torch::Tensor& x) {
-  auto chunks = gate_proj(x).chunk(2, -1);
-  return down_proj(functional::gated(chunks[0], chunks[1], options.hidden_act()));
+  return forward_with_residual(x, torch::Tensor());
+}
+
+torch::Tensor GatedMLPImpl::forward_with_residual(const torch::Tensor& x,
+                                                  const torch::Tensor& residual) {
+  auto chunks = functional::linear(x, gate_proj->weight, gate_proj->bias).chunk(2, -1);
+  return functional::linear(functional::gated(chunks[0], chunks[1], options.hidden_act()),
+                            down_proj->weight, down_proj->bias, residual);
 }
 
 }  // namespace fox::nn

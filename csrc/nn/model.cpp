@@ -100,8 +100,10 @@ void ForgettingTransformerBlockImpl::reset() {
 
 torch::Tensor ForgettingTransformerBlockImpl::forward(
     const torch::Tensor& x, LayerCache* cache, const std::optional<torch::Tensor>& seq_start) {
-  auto h = x + attn->forward(attn_norm(x), cache, seq_start);
-  return h + mlp(mlp_norm(h));
+  // The residual adds are fused into the next norm and into the MLP's last projection.
+  auto [h, normed] = functional::add_rms_norm(x, attn->forward(attn_norm(x), cache, seq_start),
+                                              mlp_norm->weight, mlp_norm->options.eps());
+  return mlp->forward_with_residual(normed, h);
 }
 
 // ---- decoder ------------------------------------------------------------------------------------
@@ -220,8 +222,7 @@ KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {
-  if (lm_head) return lm_head(hidden_states);
-  return torch::nn::functional::linear(hidden_states, model->embeddings->weight);
+  return functional::linear(hidden_states, lm_head ? lm_head->weight : model->embeddings->weight);
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(

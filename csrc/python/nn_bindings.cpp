@@ -325,7 +325,7 @@ void init_nn_bindings(py::module_& parent) {
   m.def("sample_next_token", &sample_next_token, py::arg("logits"), py::arg("options"));
 
   // The fused elementwise functions the modules are built from (fox/nn/functional.h).
-  auto f = m.def_submodule("functional", "fox::nn::functional: fused norms, KV-shift, gates, loss");
+  auto f = m.def_submodule("functional", "fox::nn::functional: fused norms, KV-shift, gates, loss, few-row linear");
   f.def(
       "rms_norm",
       [](const torch::Tensor& x, const std::optional<torch::Tensor>& weight, int64_t group_size,
@@ -336,6 +336,29 @@ void init_nn_bindings(py::module_& parent) {
   f.def("shift_mix", &functional::shift_mix, py::arg("cur"), py::arg("shift_logits"),
         py::arg("first") = std::nullopt);
   f.def("gated", &functional::gated, py::arg("gate"), py::arg("value"), py::arg("act"));
+  f.def(
+      "add_rms_norm",
+      [](const torch::Tensor& x, const torch::Tensor& delta,
+         const std::optional<torch::Tensor>& weight, double eps) {
+        return functional::add_rms_norm(x, delta, weight.value_or(torch::Tensor()), eps);
+      },
+      py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
+  f.def(
+      "shift_mix_update",
+      [](const torch::Tensor& cur, const torch::Tensor& shift_logits, torch::Tensor state) {
+        return functional::shift_mix_update(cur, shift_logits, state);
+      },
+      py::arg("cur"), py::arg("shift_logits"), py::arg("state"));
+  f.def(
+      "linear",
+      [](const torch::Tensor& x, const torch::Tensor& weight,
+         const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
+        return functional::linear(x, weight, bias.value_or(torch::Tensor()),
+                                  residual.value_or(torch::Tensor()));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias") = std::nullopt,
+      py::arg("residual") = std::nullopt);
+  f.def("argmax", &functional::argmax, py::arg("x"));
   f.def("cross_entropy", &functional::cross_entropy, py::arg("logits"), py::arg("labels"),
         py::arg("ignore_index") = -100);
 }

@@ -1,5 +1,5 @@
-"""fox::nn::functional, the fused elementwise functions the modules are built from (RMSNorm,
-KV-shift mix, gates, cross entropy): forward and backward against float64 formulas with the 2x
+"""fox::nn::functional, the fused functions the modules are built from (RMSNorm, KV-shift mix,
+gates, cross entropy, and the inference paths: few-row linear, residual add + norm): forward and backward against float64 formulas with the 2x
 rule, on inputs that are slices of a wider tensor (as the model passes them), on CPU (the ATen
 formulas) and on CUDA (the fused kernels)."""
 import pytest
@@ -101,6 +101,104 @@ def test_shift_mix_single_token_with_state(device):
                           torch.randn(2, 8, device=device))
     torch.testing.assert_close(fused.shift_mix(cur, logits, first),
                                ref_shift_mix(cur, logits, first, torch.float32))
+
+
+# ---- the inference paths: few-row linear, residual add + norm, KV-shift with the state --------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # up to 8: the matrix-vector kernel; 9: F.linear
+@pytest.mark.parametrize("n,k", [(1, 8), (67, 72), (1000, 768), (129, 2056)])
+@pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, False), (True, True)])
+@torch.no_grad()
+def test_linear(device, dtype, rows, n, k, with_bias, with_residual):
+    """x is a slice of a wider tensor (rows 16-byte aligned but not contiguous), as a decoding
+    step's projection inputs are; bias and residual of x's dtype."""
+    wide = torch.randn(rows, k + 24, device=device).to(dtype)
+    x = wide[:, 8:8 + k]
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if with_bias else None
+    r = torch.randn(rows, n, device=device).to(dtype) if with_residual else None
+
+    def formula(x, w, b, r, cd):
+        y = F.linear(x.to(cd), w.to(cd), None if b is None else b.to(cd))
+        return y if r is None else y + r.to(cd)
+
+    got = fused.linear(x, w, b, r)
+    ref = formula(x, w, b, r, torch.float64)
+    naive = F.linear(x, w, b) + (0 if r is None else r)  # what the unfused modules give
+    assert got.dtype == dtype and got.shape == (rows, n)
+    problems = rule_violations(["y"], [got], [ref], [naive], dtype)
+    assert not problems, problems
+    # Leading dimensions are kept; the matrix-vector kernel (CUDA, fp16/bf16, <= 8 rows) sums in
+    # a fixed order, so its result does not depend on the call's shape.
+    got3 = fused.linear(x.reshape(rows, 1, k), w, b, None if r is None else r.reshape(rows, 1, n))
+    assert got3.shape == (rows, 1, n)
+    if device == "cuda" and dtype != torch.float32 and rows <= 8:
+        assert torch.equal(got3.reshape(rows, n), got)
+    else:  # F.linear: cuBLAS may pick another algorithm for another shape
+        assert not rule_violations(["y3"], [got3.reshape(rows, n)], [ref], [naive], dtype)
+
+
+def test_linear_with_autograd_is_f_linear(device):
+    x = torch.randn(2, 64, device=device, requires_grad=True)
+    w = torch.randn(32, 64, device=device, requires_grad=True)
+    r = torch.randn(2, 32, device=device)
+    fused.linear(x, w, None, r).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    (F.linear(x2, w2) + r).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_add_rms_norm(device, dtype, rows):
+    """The sum is x + delta rounded to x's dtype and the norm is rms_norm of that sum: bitwise the
+    two separate steps, with or without autograd."""
+    C = 192
+    x, d = (torch.randn(rows, C, device=device).to(dtype), torch.randn(rows, C, device=device).to(dtype))
+    w = (1 + 0.3 * torch.randn(C, device=device)).to(dtype)
+    with torch.no_grad():
+        total, normed = fused.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(total, x + d)
+    assert torch.equal(normed, fused.rms_norm(x + d, w, C, 1e-6))
+    xg = x.clone().requires_grad_(True)
+    total_g, normed_g = fused.add_rms_norm(xg, d, w, 1e-6)
+    assert torch.equal(total_g.detach(), total) and torch.equal(normed_g.detach(), normed)
+    normed_g.float().sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3])
+@torch.no_grad()
+def test_shift_mix_update(device, dtype, T):
+    """Equals shift_mix against the state, and leaves the last token's projection in the state."""
+    B, H, D = 3, 2, 64
+    C = H * D
+    wide = torch.randn(B, T, C + H + 8, device=device).to(dtype)  # [cur | logits | other]
+    cur, logits = wide[..., :C], wide[..., C:C + H]
+    state = torch.randn(B, C, device=device).to(dtype)
+    expected = fused.shift_mix(cur, logits, state.clone())
+    out = fused.shift_mix_update(cur, logits, state)
+    assert torch.equal(out, expected)
+    assert torch.equal(state, cur[:, -1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 50277), (5, 1), (3, 8193), (2, 3, 100)])
+def test_argmax(device, dtype, shape):
+    """torch.argmax's index, ties (the first) and NaN (counts as the largest) included."""
+    x = torch.randn(shape, device=device).to(dtype)
+    assert torch.equal(fused.argmax(x), x.argmax(-1))
+    flat = x.reshape(-1, shape[-1])
+    flat[:, -1] = flat.max(-1).values  # a tie with an earlier maximum: the earlier one wins
+    assert torch.equal(fused.argmax(x), x.argmax(-1))
+    if shape[-1] > 3:
+        flat[0, 2] = float("nan")
+        assert torch.equal(fused.argmax(x), x.argmax(-1))
+    wide = torch.randn(4, shape[-1] + 3, device=device).to(dtype)  # rows with a stride
+    assert torch.equal(fused.argmax(wide[:, 1:1 + shape[-1]]), wide[:, 1:1 + shape[-1]].argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

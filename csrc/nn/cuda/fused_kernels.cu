@@ -11,8 +11,14 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "../../ops/cuda/dependent_launch.cuh"
+
 namespace fox::nn::cuda {
 namespace {
+
+using fox::cuda::allow_next_kernel;
+using fox::cuda::launch_dependent;
+using fox::cuda::wait_for_previous_kernel;
 
 constexpr int kWarp = 32;
 
@@ -80,16 +86,30 @@ __device__ __forceinline__ int64_t block_row() {
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
+// With `delta`: the input is x + delta, rounded to x's dtype (as the separate add would) and
+// written to `sum` (the residual stream), and y is its norm.
 template <typename in_t, typename out_t, typename w_t, int VEC>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
-                                        const w_t* __restrict__ w, out_t* __restrict__ y,
-                                        float* __restrict__ rstd, int64_t rows, int C, int G,
-                                        float eps) {
+                                        const in_t* __restrict__ delta, int64_t d_rs,
+                                        in_t* __restrict__ sum, const w_t* __restrict__ w,
+                                        out_t* __restrict__ y, float* __restrict__ rstd,
+                                        int64_t rows, int C, int G, float eps) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const int64_t row = block_row();
   const bool active = row < rows;
   const int c = threadIdx.x * VEC;
   float v[VEC] = {};
-  if (active) load(x + row * x_rs + c, v);
+  if (active) {
+    load(x + row * x_rs + c, v);
+    if (delta) {
+      float d[VEC];
+      load(delta + row * d_rs + c, d);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = static_cast<float>(static_cast<in_t>(v[i] + d[i]));
+      store(sum + row * C + c, v);
+    }
+  }
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) ss += v[i] * v[i];
@@ -155,12 +175,15 @@ __global__ void rms_norm_weight_grad_kernel(const grad_t* __restrict__ dy, int64
 // ---- KV-shift -------------------------------------------------------------------------------------
 // Row (b, t): out = a * prev + (1 - a) * cur with a = sigmoid(logit of the thread's head).
 
+// With `last` (B, C): row T-1 of cur is also written there (the next step's `first`; it may be
+// `first` itself when T = 1: each thread reads its slice of it before writing that slice).
 template <typename T, int VEC>
 __global__ void shift_mix_forward_kernel(const T* __restrict__ cur, int64_t cur_bs, int64_t cur_ts,
                                          const T* __restrict__ logits, int64_t lg_bs,
-                                         int64_t lg_ts, const T* __restrict__ first,
-                                         T* __restrict__ out, int64_t B, int64_t T_, int C,
-                                         int D) {
+                                         int64_t lg_ts, const T* first, T* __restrict__ out,
+                                         T* last, int64_t B, int64_t T_, int C, int D) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const int64_t row = block_row();
   if (row >= B * T_) return;
   const int64_t b = row / T_, t = row % T_;
@@ -173,6 +196,7 @@ __global__ void shift_mix_forward_kernel(const T* __restrict__ cur, int64_t cur_
   } else if (first) {
     load(first + b * C + c, prev);
   }
+  if (last && t == T_ - 1) store(last + b * C + c, now);
 #pragma unroll
   for (int i = 0; i < VEC; ++i) now[i] = a * prev[i] + (1.f - a) * now[i];
   store(out + row * C + c, now);
@@ -232,6 +256,8 @@ template <typename T, int VEC>
 __global__ void gated_forward_kernel(const T* __restrict__ g, int64_t g_rs,
                                      const T* __restrict__ u, int64_t u_rs, T* __restrict__ y,
                                      int64_t rows, int C, bool silu) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const int64_t row = block_row();
   if (row >= rows) return;
   const int c = threadIdx.x * VEC;
@@ -343,26 +369,100 @@ __global__ void __launch_bounds__(kLossThreads)
   }
 }
 
+// ---- argmax ---------------------------------------------------------------------------------------
+// One block per row; each thread keeps the best of its strided elements (kArgmaxUnroll loads in
+// flight), then a warp and a block reduction. Order: larger value first, NaN above everything, the
+// smaller index on ties (torch.argmax's result).
+
+constexpr int kArgmaxThreads = 1024, kArgmaxUnroll = 8;
+
+__device__ __forceinline__ bool comes_first(float a, int64_t ia, float b, int64_t ib) {
+  if (isnan(a)) return !isnan(b) || ia < ib;
+  if (isnan(b)) return false;
+  return a > b || (a == b && ia < ib);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const T* __restrict__ x, int64_t rs, int64_t* __restrict__ out, int64_t V) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  const T* row = x + int64_t(blockIdx.x) * rs;
+  float best = -INFINITY;
+  int64_t best_i = V;  // loses to any element
+  for (int64_t base = threadIdx.x; base < V; base += int64_t(blockDim.x) * kArgmaxUnroll) {
+    float vals[kArgmaxUnroll];
+#pragma unroll
+    for (int u = 0; u < kArgmaxUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      vals[u] = i < V ? static_cast<float>(row[i]) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < kArgmaxUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * blockDim.x;
+      if (i < V && comes_first(vals[u], i, best, best_i)) {
+        best = vals[u];
+        best_i = i;
+      }
+    }
+  }
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const float b = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t bi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (comes_first(b, bi, best, best_i)) {
+      best = b;
+      best_i = bi;
+    }
+  }
+  __shared__ float sv[kArgmaxThreads / kWarp];
+  __shared__ int64_t si[kArgmaxThreads / kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) {
+    sv[warp] = best;
+    si[warp] = best_i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < int(blockDim.x) / kWarp; ++w) {
+      if (comes_first(sv[w], si[w], best, best_i)) {
+        best = sv[w];
+        best_i = si[w];
+      }
+    }
+    out[blockIdx.x] = best_i;
+  }
+}
+
 // ---- static KV cache ------------------------------------------------------------------------------
 // One launch writes a decoding step's keys, values and log forget gates into their rows of the
 // static cache (three scatters otherwise). Block (b, t) copies row (b, t) of each to position
-// pos[b, t] of row b.
-template <typename T>
+// pos[b, t] of row b. The gates come as float32 log f, or as the forget gate's logits (any float
+// dtype) when `logits`: log f = logsigmoid(logit) is then computed here, in float32.
+__device__ __forceinline__ float log_sigmoid(float x) {
+  return fminf(x, 0.f) - log1pf(expf(-fabsf(x)));  // no overflow for large |x|
+}
+
+template <typename T, typename G>
 __global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, int64_t kn_ts,
                                    const T* __restrict__ v_new, int64_t vn_bs, int64_t vn_ts,
-                                   const float* __restrict__ g_new, int64_t gn_bs, int64_t gn_ts,
-                                   const int64_t* __restrict__ pos, T* __restrict__ k, int64_t k_bs,
-                                   int64_t k_ts, T* __restrict__ v, int64_t v_bs, int64_t v_ts,
+                                   const G* __restrict__ g_new, int64_t gn_bs, int64_t gn_ts,
+                                   bool logits, const int64_t* __restrict__ pos,
+                                   T* __restrict__ k, int64_t k_bs, int64_t k_ts,
+                                   T* __restrict__ v, int64_t v_bs, int64_t v_ts,
                                    float* __restrict__ g, int64_t g_bs, int64_t g_ts, int T_new,
                                    int C, int H) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const int64_t b = blockIdx.x / T_new, t = blockIdx.x % T_new;
   const int64_t j = pos[blockIdx.x];
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     k[b * k_bs + j * k_ts + c] = k_new[b * kn_bs + t * kn_ts + c];
     v[b * v_bs + j * v_ts + c] = v_new[b * vn_bs + t * vn_ts + c];
   }
-  for (int h = threadIdx.x; h < H; h += blockDim.x)
-    g[b * g_bs + j * g_ts + h] = g_new[b * gn_bs + t * gn_ts + h];
+  for (int h = threadIdx.x; h < H; h += blockDim.x) {
+    const float x = static_cast<float>(g_new[b * gn_bs + t * gn_ts + h]);
+    g[b * g_bs + j * g_ts + h] = logits ? log_sigmoid(x) : x;
+  }
 }
 
 // ---- host side ------------------------------------------------------------------------------------
@@ -450,12 +550,16 @@ int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::
 }
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
-                      const at::Tensor& y, const at::Tensor& rstd) {
+                      const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta,
+                      const at::Tensor& sum) {
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
   const int C = int(x.size(1));
   if (rows == 0) return;
-  const int vec = checked_width(C, group, {x, y});
+  TORCH_CHECK(!delta.defined() || (sum.defined() && delta.scalar_type() == x.scalar_type() &&
+                                   sum.scalar_type() == x.scalar_type()),
+              "rms_norm_forward: delta and sum must both be given, of x's dtype");
+  const int vec = checked_width(C, group, {x, y, delta, sum});
   const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   // The weight is read in its own dtype: float32, or x's (a bf16 model's norms, without a
@@ -467,14 +571,20 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(y.scalar_type(), "rms_norm_forward", [&] {
       FOX_VEC_SWITCH(vec, [&] {
+        const in_t* d = optional_ptr<in_t>(delta);
+        const int64_t d_rs = delta.defined() ? delta.stride(0) : 0;
         if (float_weight) {
-          rms_norm_forward_kernel<in_t, scalar_t, float, VEC><<<L.grid, L.block, L.smem, stream>>>(
-              x.data_ptr<in_t>(), x.stride(0), optional_float(weight), y.data_ptr<scalar_t>(),
-              rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+          C10_CUDA_CHECK(launch_dependent(
+              rms_norm_forward_kernel<in_t, scalar_t, float, VEC>, L.grid, L.block, L.smem,
+              stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
+              optional_float(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, C,
+              int(group), float(eps)));
         } else {
-          rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
-              x.data_ptr<in_t>(), x.stride(0), weight.data_ptr<in_t>(), y.data_ptr<scalar_t>(),
-              rstd.data_ptr<float>(), rows, C, int(group), float(eps));
+          C10_CUDA_CHECK(launch_dependent(
+              rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC>, L.grid, L.block, L.smem,
+              stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
+              optional_ptr<in_t>(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows,
+              C, int(group), float(eps)));
         }
       });
     });
@@ -522,23 +632,26 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
 }
 
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
-                       const at::Tensor& out) {
+                       const at::Tensor& out, const at::Tensor& last) {
   c10::cuda::CUDAGuard guard(cur.device());
   const int64_t B = cur.size(0), T = cur.size(1);
   const int C = int(cur.size(2)), D = C / int(logits.size(2));
   if (B * T == 0) return;
-  const int vec = checked_width(C, D, {cur, first, out});
+  TORCH_CHECK(!last.defined() || T == 1 || !first.defined() ||
+                  last.data_ptr() != first.data_ptr(),
+              "shift_mix_forward: last may be first only for one new token");
+  const int vec = checked_width(C, D, {cur, first, out, last});
   const auto L = row_launch(B * T, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(cur.scalar_type(), "shift_mix_forward", [&] {
     FOX_VEC_SWITCH(vec, [&] {
-      shift_mix_forward_kernel<scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+      C10_CUDA_CHECK(launch_dependent(
+          shift_mix_forward_kernel<scalar_t, VEC>, L.grid, L.block, L.smem, stream,
           cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1), logits.data_ptr<scalar_t>(),
           logits.stride(0), logits.stride(1), optional_ptr<scalar_t>(first),
-          out.data_ptr<scalar_t>(), B, T, C, D);
+          out.data_ptr<scalar_t>(), optional_mut<scalar_t>(last), B, T, C, D));
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at::Tensor& logits,
@@ -573,12 +686,12 @@ void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(g.scalar_type(), "gated_forward", [&] {
     FOX_VEC_SWITCH(vec, [&] {
-      gated_forward_kernel<scalar_t, VEC><<<L.grid, L.block, 0, stream>>>(
-          g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(), u.stride(0),
-          y.data_ptr<scalar_t>(), rows, C, silu);
+      C10_CUDA_CHECK(launch_dependent(gated_forward_kernel<scalar_t, VEC>, L.grid, L.block, 0,
+                                      stream, g.data_ptr<scalar_t>(), g.stride(0),
+                                      u.data_ptr<scalar_t>(), u.stride(0),
+                                      y.data_ptr<scalar_t>(), rows, C, silu));
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, bool silu,
@@ -630,24 +743,46 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void argmax(const at::Tensor& x, const at::Tensor& out) {
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), V = x.size(1);
+  if (rows == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(x.scalar_type(), "argmax", [&] {
+    C10_CUDA_CHECK(launch_dependent(argmax_kernel<scalar_t>, dim3(unsigned(rows)),
+                                    dim3(kArgmaxThreads), 0, stream, x.data_ptr<scalar_t>(),
+                                    x.stride(0), out.data_ptr<int64_t>(), V));
+  });
+}
+
 void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& g_new,
-                 const at::Tensor& positions, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& g) {
+                 bool gate_logits, const at::Tensor& positions, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& g) {
   c10::cuda::CUDAGuard guard(k.device());
   const int64_t B = k_new.size(0), T = k_new.size(1);
   if (B * T == 0) return;
   const int C = int(k_new.size(2)), H = int(g_new.size(2));
+  TORCH_CHECK(g_new.scalar_type() == at::kFloat || g_new.scalar_type() == k.scalar_type(),
+              "cache_write: the new gates must be float32 or of the cache's dtype");
   const int threads = std::min(256, std::max(32, ((std::max(C, H) + 31) / 32) * 32));
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(k.scalar_type(), "cache_write", [&] {
-    cache_write_kernel<scalar_t><<<unsigned(B * T), threads, 0, stream>>>(
-        k_new.data_ptr<scalar_t>(), k_new.stride(0), k_new.stride(1), v_new.data_ptr<scalar_t>(),
-        v_new.stride(0), v_new.stride(1), g_new.data_ptr<float>(), g_new.stride(0),
-        g_new.stride(1), positions.data_ptr<int64_t>(), k.data_ptr<scalar_t>(), k.stride(0),
-        k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), g.data_ptr<float>(),
-        g.stride(0), g.stride(1), int(T), C, H);
+    auto run = [&](auto gate) {
+      using G = decltype(gate);
+      C10_CUDA_CHECK(launch_dependent(
+          cache_write_kernel<scalar_t, G>, dim3(unsigned(B * T)), dim3(threads), 0, stream,
+          k_new.data_ptr<scalar_t>(), k_new.stride(0), k_new.stride(1),
+          v_new.data_ptr<scalar_t>(), v_new.stride(0), v_new.stride(1), g_new.data_ptr<G>(),
+          g_new.stride(0), g_new.stride(1), gate_logits, positions.data_ptr<int64_t>(),
+          k.data_ptr<scalar_t>(), k.stride(0), k.stride(1), v.data_ptr<scalar_t>(), v.stride(0),
+          v.stride(1), g.data_ptr<float>(), g.stride(0), g.stride(1), int(T), C, H));
+    };
+    if (g_new.scalar_type() == at::kFloat) {
+      run(float());
+    } else {
+      run(scalar_t());
+    }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace fox::nn::cuda

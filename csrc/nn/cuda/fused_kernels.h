@@ -17,9 +17,12 @@ namespace fox::nn::cuda {
 int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors);
 
 // y = x * rsqrt(mean_group(x^2) + eps) * weight, per group of `group` channels; rstd (rows, C/group).
-// weight (C,): float32 or x's dtype (read as it is).
+// weight (C,): float32 or x's dtype (read as it is). With delta (rows, C) of x's dtype, the input
+// is x + delta rounded to x's dtype, also written to sum (rows, C) contiguous: a residual add and
+// the next norm in one pass.
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
-                      const at::Tensor& y, const at::Tensor& rstd);
+                      const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta = {},
+                      const at::Tensor& sum = {});
 // dx (rows, C) and, when defined, dweight (C,) float32.
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& rstd, int64_t group, const at::Tensor& dx,
@@ -27,9 +30,10 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
 
 // out[b, t] = a * cur[b, t-1] + (1 - a) * cur[b, t], a = sigmoid(logits[b, t, head]); the row
 // before t = 0 is first[b] (zeros when undefined). cur (B, T, C), logits (B, T, H): 3-D views with
-// a contiguous last dimension.
+// a contiguous last dimension. When defined, last (B, C) receives cur[:, T-1] (a cache's KV-shift
+// state); it may be first itself only when T = 1.
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
-                       const at::Tensor& out);
+                       const at::Tensor& out, const at::Tensor& last = {});
 void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at::Tensor& logits,
                         const at::Tensor& first, const at::Tensor& dcur,
                         const at::Tensor& dlogits, const at::Tensor& dfirst);
@@ -48,11 +52,17 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
                             const at::Tensor& labels, const at::Tensor& lse, int64_t ignore_index,
                             const at::Tensor& dlogits);
 
+// out[r] = index of the largest value of row r of x (rows, V) (V >= 1), as torch.argmax: the first
+// on ties, NaN counting as the largest. out (rows,) int64.
+void argmax(const at::Tensor& x, const at::Tensor& out);
+
 // The static cache's write of T new tokens: k[b, pos[b, t]] = k_new[b, t] (and v, g). k_new,
-// v_new (B, T, C) and g_new (B, T, H) float32 with a contiguous last dimension, of the cache's
-// dtypes; k, v (B, L, C) and g (B, L, H) likewise; positions (B, T) int64 contiguous, each < L.
+// v_new (B, T, C) of the cache's dtype and g_new (B, T, H) with a contiguous last dimension; k, v
+// (B, L, C) and g (B, L, H) float32 likewise; positions (B, T) int64 contiguous, each < L. g_new is
+// float32 log f, or, with gate_logits, the forget gate's logits (float32 or the cache's dtype):
+// log f = logsigmoid(logit) is computed in the write.
 void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& g_new,
-                 const at::Tensor& positions, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& g);
+                 bool gate_logits, const at::Tensor& positions, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& g);
 
 }  // namespace fox::nn::cuda

@@ -23,6 +23,7 @@
 #include <cstdlib>
 
 #include "common.cuh"
+#include "dependent_launch.cuh"
 #include "launch.h"
 #include "mma.cuh"
 
@@ -173,11 +174,10 @@ __global__ void __launch_bounds__(kThreads)
   float* Rs = reinterpret_cast<float*>(smem_raw + L::kROffset);   // [head slot][key], log2 units
   float* Rq = reinterpret_cast<float*>(smem_raw + L::kRqOffset);  // [row], log2 units
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Every block has started: the combine kernel may launch and wait (programmatic dependent
-  // launch), so its launch latency overlaps this kernel instead of following it.
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  // Launched as a dependent of the kernel that wrote the cache (dependent_launch.cuh): wait for
+  // it, then let the combine kernel launch, so its launch latency overlaps this kernel.
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group_id = lane >> 2, quad = lane & 3;
   const DecodeTile t = decode_tile(p, split.num_splits, kKeys);
@@ -458,9 +458,8 @@ template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(128)
     decode_combine_kernel(const ForwardParams p, const DecodeSplit split) {
   __shared__ float weight[4][kMaxSplits];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the chunks' partial results are written
-#endif
+  wait_for_previous_kernel();  // the chunks' partial results are written
+  allow_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t total_rows = p.batch * p.seqlen_q;
   const int64_t item = blockIdx.x * 4 + warp;
@@ -544,23 +543,11 @@ void run_decode_forward(const ForwardParams& p, int num_splits, float* out_parti
   auto kernel = decode_kernel<T, kHeadDim>;
   if (smem > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  kernel<<<grid, kThreads, smem, stream>>>(p, split);
+  launch_dependent(kernel, grid, dim3(kThreads), smem, stream, p, split);
   if (num_splits > 1) {
     const int64_t items = p.batch * p.seqlen_q * p.num_heads;
-    // On sm_90+ the combine is a programmatic dependent launch (griddepcontrol above).
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>((items + 3) / 4));
-    config.blockDim = dim3(128);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = major >= 9 ? 1 : 0;
-    cudaLaunchKernelEx(&config, decode_combine_kernel<T, kHeadDim>, p, split);
+    launch_dependent(decode_combine_kernel<T, kHeadDim>,
+                     dim3(static_cast<unsigned>((items + 3) / 4)), dim3(128), 0, stream, p, split);
   }
 }
 

@@ -40,6 +40,11 @@ struct LayerCache {
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> update(const torch::Tensor& k_new,
                                                                  const torch::Tensor& v_new,
                                                                  const torch::Tensor& lf_new);
+  /// update() with the gates given as the forget gate's logits (B, T, H): log f = logsigmoid of
+  /// them in float32 (float64 for float64 logits). A static cache on CUDA computes it while writing
+  /// them, in the same kernel.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> update_from_gate_logits(
+      const torch::Tensor& k_new, const torch::Tensor& v_new, const torch::Tensor& fgate_logits);
   /// Keeps the KV-shift state of the last token: replaced (dynamic) or copied in place (static).
   void set_state(torch::Tensor& state, const torch::Tensor& last) const;
 };

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include <torch/types.h>
 
@@ -23,8 +24,33 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int6
 torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_logits,
                         const std::optional<torch::Tensor>& first = std::nullopt);
 
+/// rms_norm(x + delta) over the whole last dimension, returning {x + delta, its norm}: a residual
+/// add and the next block's norm. On CUDA without autograd one kernel (the sum is rounded to x's
+/// dtype before the norm, as the separate add rounds it); elsewhere the add, then rms_norm.
+std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                     const torch::Tensor& delta,
+                                                     const torch::Tensor& weight, double eps);
+
+/// shift_mix(cur, shift_logits, state), then state = cur[:, T-1] in place: a decoding step's
+/// KV-shift against a static cache's state (B, H*D). On CUDA without autograd and for T = 1 one
+/// kernel; otherwise shift_mix and a copy.
+torch::Tensor shift_mix_update(const torch::Tensor& cur, const torch::Tensor& shift_logits,
+                               torch::Tensor& state);
+
+/// x @ weight^T (+ bias) (+ residual): F.linear, with an optional residual added in the same
+/// pass. On CUDA without autograd, for up to 8 rows of fp16/bf16 (weight of x's dtype), one
+/// matrix-vector kernel that reads the weight once (a decoding step's projections); elsewhere
+/// F.linear and an add.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const torch::Tensor& bias = {}, const torch::Tensor& residual = {});
+
 /// act(gate) * value with act "swish" (silu) or "sigmoid": SwiGLU, and the attention output gate.
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act);
+
+/// argmax(x, -1) as int64 (the first index on ties, NaN counting as the largest, as torch.argmax):
+/// a greedy decoding step's token. On CUDA one kernel per call (torch's reduction takes ~16 us for
+/// one 50k-vocabulary row on an H100).
+torch::Tensor argmax(const torch::Tensor& x);
 
 /// Per-token cross entropy (float32, the shape of labels) of logits (..., V) against labels
 /// (...) int64; tokens labelled `ignore_index` give 0. Logits are read in their own dtype.

@@ -38,6 +38,8 @@ class GatedMLPImpl : public torch::nn::Cloneable<GatedMLPImpl> {
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
   torch::Tensor forward(const torch::Tensor& x);
+  /// forward(x) + residual, the add done by the last projection (one kernel when decoding).
+  torch::Tensor forward_with_residual(const torch::Tensor& x, const torch::Tensor& residual);
   int64_t intermediate_size() const;
 
   GatedMLPOptions options;
