@@ -195,3 +195,16 @@ def test_corrupted_config(checkpoint):
         attempt(json.dumps(c, indent=2))
     cfg_path.write_text(text)
     Model.from_pretrained(d)
+
+
+def test_invalid_utf8_in_header(checkpoint):
+    """The parser's message quotes the bytes around the error: still a RuntimeError (the message
+    is escaped to valid UTF-8), not a UnicodeDecodeError."""
+    d, raw, _ = checkpoint
+    header, data = split(raw)
+    i = header.index(b'"dtype"') + 2
+    for bad in (b"\xc7", b"\xff\xfe", b"\xe2\x82", b"\x00", b"\x1f"):
+        p = d / "model.safetensors"
+        p.write_bytes(join(header[:i] + bad + header[i + len(bad):], data))
+        with pytest.raises(RuntimeError, match="model.safetensors.*invalid JSON"):
+            fnn.load_safetensors(str(p))
