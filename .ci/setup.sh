@@ -6,16 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  if ! dpkg -s catch2 ccache >/dev/null 2>&1; then
+  if ! dpkg -s catch2 ccache nlohmann-json3-dev >/dev/null 2>&1; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq catch2 ccache >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq catch2 ccache nlohmann-json3-dev >/dev/null
   fi
 fi
 
 # torch 2.14.1 is the CUDA 13.0 build: CI compiles and links the CUDA kernels against it.
 python3 -m pip install -q --disable-pip-version-check \
   torch==2.14.1 numpy==2.4.1 ninja==1.13.2 cmake==4.4.4 nvidia-cutlass==4.2.0.0 \
-  pytest==9.0.3 expecttest==0.3.0 setuptools==84.2.1 matplotlib==3.11.2 pyyaml==6.0.3
+  nlohmann-json==3.12.0 pytest==9.0.3 expecttest==0.3.0 setuptools==84.2.1 matplotlib==3.11.2 pyyaml==6.0.3
 # The hf extra (pyproject.toml): forgetting_transformer.model and its tests, lm-evaluation-harness.
 python3 -m pip install -q --disable-pip-version-check \
   transformers==5.17.0 safetensors==0.8.0 tokenizers==0.23.3 accelerate==1.15.0 lm-eval==0.4.13

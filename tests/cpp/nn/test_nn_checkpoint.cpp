@@ -1,10 +1,14 @@
-// fox::nn checkpoints: the JSON reader/writer, config.json, safetensors, save/load_pretrained.
+// fox::nn checkpoints: config.json, safetensors (corrupted files included), save/load_pretrained.
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
 
@@ -13,7 +17,7 @@
 using namespace fox::nn;
 using fox_test::close;
 namespace fs = std::filesystem;
-namespace json = fox::nn::json;
+using nlohmann::json;
 
 namespace {
 
@@ -66,94 +70,6 @@ std::string exception_text(const std::function<void()>& fn) {
 
 }  // namespace
 
-// ---- JSON ---------------------------------------------------------------------------------------
-
-TEST_CASE("JSON: values, escapes and numbers", "[nn][checkpoint][json]") {
-  auto v = json::parse(
-      " {\"s\": \"q\\\"b\\\\s\\/n\\n t\\t r\\r b\\b f\\f\", \"u\": \"\\u00e9\\u20ac\\ud83d\\ude00\","
-      " \"utf8\": \"\xc3\xa9\", \"i\": -12345678901234567, \"z\": -0, \"f\": 1.5e-6, \"E\": 2E+2,"
-      " \"a\": [true, false, null, [], {}], \"nested\": {\"x\": {\"y\": [1, [2, [3]]]}},"
-      " \"dup\": 1, \"dup\": 2, \"nan\": NaN, \"inf\": -Infinity, \"big\": 1e400,"
-      " \"tiny\": 1e-400, \"huge_int\": 123456789012345678901234567890 }\n");
-  REQUIRE(v.is_object());
-  CHECK(v.find("s")->string == "q\"b\\s/n\n t\t r\r b\b f\f");
-  CHECK(v.find("u")->string == "\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80");
-  CHECK(v.find("utf8")->string == "\xc3\xa9");
-  CHECK(v.find("i")->is_integer);
-  CHECK(v.find("i")->integer == -12345678901234567LL);  // exact, beyond 2^53
-  CHECK(v.find("z")->is_integer);
-  CHECK(v.find("f")->number == 1.5e-6);
-  CHECK(!v.find("f")->is_integer);
-  CHECK(v.find("E")->number == 200.0);
-  CHECK(!v.find("E")->is_integer);
-  const auto& a = v.find("a")->array;
-  REQUIRE(a.size() == 5);
-  CHECK((a[0].is_bool() && a[0].boolean && a[1].is_bool() && !a[1].boolean && a[2].is_null()));
-  CHECK((a[3].is_array() && a[3].array.empty() && a[4].is_object() && a[4].object.empty()));
-  CHECK(v.find("nested")->find("x")->find("y")->array[1].array[1].array[0].integer == 3);
-  CHECK(v.find("dup")->integer == 2);  // last occurrence wins, as Python
-  CHECK(std::isnan(v.find("nan")->number));
-  CHECK(v.find("inf")->number == -INFINITY);
-  CHECK(v.find("big")->number == INFINITY);
-  CHECK(v.find("tiny")->number == 0.0);
-  CHECK(!v.find("huge_int")->is_integer);
-  CHECK(v.find("huge_int")->number == fox_test::Approx(1.2345678901234568e29));
-  CHECK(v.find("missing") == nullptr);
-
-  // dump -> parse is the identity
-  auto again = json::parse(json::dump(v, 2));
-  CHECK(json::dump(again) == json::dump(v));
-  CHECK(json::dump(json::parse(json::dump(v))) == json::dump(v));
-}
-
-TEST_CASE("JSON: writer output as Python's json", "[nn][checkpoint][json]") {
-  CHECK(json::dump(json::Value::from_double(0.02)) == "0.02");
-  CHECK(json::dump(json::Value::from_double(4.0)) == "4.0");
-  CHECK(json::dump(json::Value::from_double(1e-6)) == "1e-06");
-  CHECK(json::dump(json::Value::from_double(500000.0)) == "500000.0");
-  CHECK(json::dump(json::Value::from_double(0.1 + 0.2)) == "0.30000000000000004");
-  CHECK(json::dump(json::Value::from_double(123.456)) == "123.456");
-  CHECK(json::dump(json::Value::from_double(1e-4)) == "0.0001");
-  CHECK(json::dump(json::Value::from_double(1e-5)) == "1e-05");
-  CHECK(json::dump(json::Value::from_double(1e16)) == "1e+16");
-  CHECK(json::dump(json::Value::from_double(1234567890123456.0)) == "1234567890123456.0");
-  CHECK(json::dump(json::Value::from_double(-2.5e300)) == "-2.5e+300");
-  CHECK(json::dump(json::Value::from_double(0.0)) == "0.0");
-  CHECK(json::dump(json::Value::from_double(-0.0)) == "-0.0");
-  CHECK(json::dump(json::Value::from_int(-7)) == "-7");
-  CHECK(json::dump(json::Value::from_string("a\"b\\c\n\x01")) == "\"a\\\"b\\\\c\\n\\u0001\"");
-  for (double d : {0.02, 1e-6, 3.5, -2.5e300, 5e-324, 1.0 / 3.0}) {
-    CHECK(json::parse(json::dump(json::Value::from_double(d))).number == d);
-  }
-  auto o = json::Value::new_object();
-  o.set("a", json::Value::from_int(1));
-  auto arr = json::Value::new_array();
-  arr.array.push_back(json::Value::null());
-  arr.array.push_back(json::Value::from_bool(true));
-  o.set("b", arr);
-  o.set("c", json::Value::new_object());
-  CHECK(json::dump(o) == "{\"a\":1,\"b\":[null,true],\"c\":{}}");
-  CHECK(json::dump(o, 2) == "{\n  \"a\": 1,\n  \"b\": [\n    null,\n    true\n  ],\n  \"c\": {}\n}");
-}
-
-TEST_CASE("JSON: malformed documents are errors", "[nn][checkpoint][json]") {
-  const char* bad[] = {"",        "{",          "[1,]",         "{\"a\":1,}",  "01",
-                       "1.",      ".5",         "-",            "1e",          "tru",
-                       "\"abc",   "\"\\x\"",    "\"\\ud800\"",  "\"\\udc00\"", "\"\\u12\"",
-                       "{a:1}",   "[1 2]",      "1 2",          "{\"a\" 1}",   "\"tab\there\"",
-                       "+1",      "[nul]",      "{\"a\":}",     "\"\\ud800\\u0041\""};
-  for (const char* s : bad) {
-    INFO("input: " << s);
-    CHECK_THROWS_WITH(json::parse(s, "doc"), fox_test::HasSubstring("doc: invalid JSON"));
-  }
-  std::string deep(300, '[');
-  deep += std::string(300, ']');
-  CHECK_THROWS_WITH(json::parse(deep), fox_test::HasSubstring("nesting"));
-  std::string ok(200, '[');
-  ok += std::string(200, ']');
-  CHECK_NOTHROW(json::parse(ok));
-}
-
 // ---- config -------------------------------------------------------------------------------------
 
 TEST_CASE("config.json round trip of the four presets", "[nn][checkpoint][config]") {
@@ -164,10 +80,10 @@ TEST_CASE("config.json round trip of the four presets", "[nn][checkpoint][config
     if (std::string(arch).rfind("fox", 0) == 0) c.log_pruning_tolerance(-10.5);
     auto text = config_to_json(c);
     auto v = json::parse(text);
-    CHECK(v.find("model_type")->string == "forgetting_transformer");
-    CHECK(v.find("architectures")->array.at(0).string == "ForgettingTransformerForCausalLM");
-    CHECK(v.find("bos_token_id")->is_null());
-    CHECK(v.find("hidden_ratio")->number == c.hidden_ratio());
+    CHECK(v.at("model_type") == "forgetting_transformer");
+    CHECK(v.at("architectures").at(0) == "ForgettingTransformerForCausalLM");
+    CHECK(v.at("bos_token_id").is_null());
+    CHECK(v.at("hidden_ratio").get<double>() == c.hidden_ratio());
     auto d = config_from_json(text);
     CHECK(config_to_json(d) == text);
     CHECK(d.fgate_type() == c.fgate_type());
@@ -244,6 +160,41 @@ TEST_CASE("config.json: the authors' keys, defaults and errors", "[nn][checkpoin
                     fox_test::HasSubstring("cfg.json: invalid JSON"));
 }
 
+TEST_CASE("config.json: numbers as Python writes them, malformed text", "[nn][checkpoint][config]") {
+  ForgettingTransformerConfig c;
+  c.norm_eps(1e-6).initializer_range(0.02).rope_base(500000.0).hidden_ratio(3.5);
+  c.decay_time_min(1e-5).decay_time_max(0.1 + 0.2);
+  const auto text = config_to_json(c);
+  for (const char* s : {"\"norm_eps\": 1e-06,", "\"initializer_range\": 0.02,",
+                        "\"rope_base\": 500000.0,", "\"hidden_ratio\": 3.5,",
+                        "\"decay_time_min\": 1e-05,", "\"decay_time_max\": 0.30000000000000004,"}) {
+    INFO(s);
+    CHECK(text.find(s) != std::string::npos);
+  }
+  CHECK(text.substr(0, 4) == "{\n  ");  // 2-space indentation, as transformers
+  CHECK(text.back() == '\n');
+  CHECK_THROWS_WITH(config_to_json(ForgettingTransformerConfig().norm_eps(NAN)),
+                    fox_test::HasSubstring("'norm_eps'") && fox_test::HasSubstring("non-finite"));
+
+  const char* bad[] = {"",        "{",          "[1,]",         "{\"a\":1,}",  "01",
+                       "1.",      ".5",         "-",            "1e",          "tru",
+                       "\"abc",   "\"\\x\"",    "\"\\ud800\"",  "\"\\udc00\"", "\"\\u12\"",
+                       "{a:1}",   "[1 2]",      "1 2",          "{\"a\" 1}",   "\"tab\there\"",
+                       "+1",      "[nul]",      "{\"a\":}",     "\"\\ud800\\u0041\"",
+                       "{\"a\": NaN}", "{\"a\": \"\xff\"}", "{\"a\": 1e400}"};
+  for (const char* s : bad) {
+    INFO("input: " << s);
+    CHECK_THROWS_WITH(config_from_json(s, "doc"), fox_test::HasSubstring("doc: invalid JSON"));
+  }
+  std::string deep = "{\"x\": " + std::string(300, '[') + std::string(300, ']') + "}";
+  CHECK_THROWS_WITH(config_from_json(deep, "doc"), fox_test::HasSubstring("nesting"));
+  std::string ok = "{\"x\": " + std::string(200, '[') + std::string(200, ']') + "}";
+  CHECK_NOTHROW(config_from_json(ok));
+  // a repeated key: the last one wins, as Python's json
+  CHECK(config_from_json(R"({"hidden_size": 1, "hidden_size": 64})").hidden_size() == 64);
+  CHECK(config_from_json(R"({"hidden_act": "sw\u0069sh"})").hidden_act() == "swish");
+}
+
 // ---- safetensors --------------------------------------------------------------------------------
 
 TEST_CASE("safetensors: dtypes, shapes, metadata and layout", "[nn][checkpoint][safetensors]") {
@@ -267,14 +218,14 @@ TEST_CASE("safetensors: dtypes, shapes, metadata and layout", "[nn][checkpoint][
   uint64_t n = 0;
   for (int k = 0; k < 8; ++k) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[k])) << (8 * k);
   CHECK(n % 8 == 0);  // padded with spaces as the safetensors package
-  auto header = json::parse(bytes.substr(8, n));
-  CHECK(header.object.front().first == "__metadata__");
-  CHECK(header.find("bf16")->find("dtype")->string == "BF16");
-  CHECK(header.find("f16")->find("dtype")->string == "F16");
-  CHECK(header.find("i64")->find("dtype")->string == "I64");
-  CHECK(header.find("scalar")->find("shape")->array.empty());
-  CHECK(header.find("i64")->find("data_offsets")->array[0].integer == 0);  // as the package:
-  CHECK(header.find("f64")->find("data_offsets")->array[0].integer == 56);  // I64, F64, F32, ...
+  auto header = nlohmann::ordered_json::parse(bytes.substr(8, n));
+  CHECK(header.begin().key() == "__metadata__");
+  CHECK(header.at("bf16").at("dtype") == "BF16");
+  CHECK(header.at("f16").at("dtype") == "F16");
+  CHECK(header.at("i64").at("dtype") == "I64");
+  CHECK(header.at("scalar").at("shape").empty());
+  CHECK(header.at("i64").at("data_offsets")[0] == 0);  // as the package:
+  CHECK(header.at("f64").at("data_offsets")[0] == 56);  // I64, F64, F32, ...
   CHECK(bytes.size() == 8 + n + 12 * 4 + 5 * 2 + 12 * 2 + 4 * 8 + 7 * 8 + 5 * 4 + 7 + 3 + 4 + 0 + 8 * 4);
 
   auto back = load_safetensors(path);
@@ -297,6 +248,8 @@ TEST_CASE("safetensors: dtypes, shapes, metadata and layout", "[nn][checkpoint][
   CHECK_THROWS_WITH(f.read("nope"), fox_test::HasSubstring("no tensor 'nope'") && fox_test::HasSubstring(path));
   CHECK_THROWS_WITH(save_safetensors(dir / "c.safetensors", {{"c", torch::zeros({2}, torch::kComplexFloat)}}),
                     fox_test::HasSubstring("no safetensors name"));
+  CHECK_THROWS_WITH(save_safetensors(dir / "u.safetensors", {{"a\xff", torch::zeros({1})}}),
+                    fox_test::HasSubstring("valid UTF-8"));
 }
 
 TEST_CASE("safetensors: corrupted files are errors naming the file", "[nn][checkpoint][safetensors]") {
@@ -350,6 +303,75 @@ TEST_CASE("safetensors: corrupted files are errors naming the file", "[nn][check
   CHECK(m.at("x")[1].item<int64_t>() == 6);
 }
 
+// Loads a possibly corrupt file: true on success, false on a c10::Error. Anything else (another
+// exception type, a crash) fails the test.
+static bool load_or_clean_error(const std::string& path) {
+  try {
+    SafetensorsFile f(path);
+    for (const auto& [name, e] : f.entries()) f.read(name);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+TEST_CASE("safetensors: fuzzed files load or fail cleanly", "[nn][checkpoint][safetensors]") {
+  TempDir dir("fuzz");
+  auto good = dir / "good.safetensors";
+  save_safetensors(good,
+                   {{"a", torch::randn({3, 2})}, {"b", torch::arange(5)},
+                    {"c", torch::randn({2}).to(torch::kBFloat16)}, {"e", torch::zeros({0, 4})}},
+                   {{"format", "pt"}});
+  const auto bytes = read_bytes(good);
+  uint64_t n = 0;
+  for (int k = 0; k < 8; ++k) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[k])) << (8 * k);
+  auto p = dir / "x.safetensors";
+  auto try_bytes = [&](const std::string& content) {
+    write_bytes(p, content);
+    CHECK_NOTHROW(load_or_clean_error(p));
+  };
+  std::mt19937_64 rng(1234);
+  // every truncation
+  for (size_t len = 0; len < bytes.size(); ++len) try_bytes(bytes.substr(0, len));
+  // random byte flips, mostly in the header
+  for (int t = 0; t < 400; ++t) {
+    auto b = bytes;
+    const int flips = 1 + static_cast<int>(rng() % 4);
+    for (int k = 0; k < flips; ++k) {
+      const size_t at = rng() % (t % 4 == 0 ? b.size() : 8 + n);
+      b[at] = static_cast<char>(rng() % 2 ? rng() % 256 : b[at] ^ (1 << (rng() % 8)));
+    }
+    try_bytes(b);
+  }
+  // header length fields: huge, one past the file, off by a few
+  const uint64_t size = bytes.size();
+  for (uint64_t len : std::vector<uint64_t>{~0ULL, 1ULL << 63, 1ULL << 40, 100'000'001ULL, size,
+                                            size - 7, n + 1, n - 1, n + 8, 0}) {
+    auto b = bytes;
+    for (int k = 0; k < 8; ++k) b[k] = static_cast<char>(len >> (8 * k));
+    try_bytes(b);
+  }
+  // header text mutations: numbers changed, characters dropped, duplicated or swapped
+  const std::string header = bytes.substr(8, n), data = bytes.substr(8 + n);
+  for (int t = 0; t < 400; ++t) {
+    std::string h = header;
+    const size_t at = rng() % h.size();
+    switch (t % 4) {
+      case 0: h.erase(at, 1 + rng() % 4); break;
+      case 1: h.insert(at, h.substr(rng() % h.size(), 1 + rng() % 8)); break;
+      case 2: std::swap(h[at], h[rng() % h.size()]); break;
+      case 3:
+        if (std::isdigit(static_cast<unsigned char>(h[at]))) {
+          h.replace(at, 1, std::to_string(rng() % 3 == 0 ? rng() : rng() % 100));
+        } else {
+          h[at] = "{}[]\",:0-1e."[rng() % 12];
+        }
+        break;
+    }
+    try_bytes(st_file(h, data));
+  }
+}
+
 // ---- pretrained checkpoints ---------------------------------------------------------------------
 
 TEST_CASE("save_pretrained / load_pretrained round trip of the four presets",
@@ -366,8 +388,8 @@ TEST_CASE("save_pretrained / load_pretrained round trip of the four presets",
     CHECK(fs::exists(dir / "config.json"));
     CHECK(fs::exists(dir / "model.safetensors"));
     auto cj = json::parse(read_bytes(dir / "config.json"));
-    CHECK(cj.find("torch_dtype")->string == "float32");
-    CHECK(cj.find("model_type")->string == "forgetting_transformer");
+    CHECK(cj.at("torch_dtype") == "float32");
+    CHECK(cj.at("model_type") == "forgetting_transformer");
 
     // every parameter, under its module name
     SafetensorsFile f(dir / "model.safetensors");
@@ -395,7 +417,7 @@ TEST_CASE("bf16 checkpoints", "[nn][checkpoint][pretrained]") {
   a->to(torch::kBFloat16);
   TempDir dir("bf16");
   save_pretrained(a, dir.str());
-  CHECK(json::parse(read_bytes(dir / "config.json")).find("torch_dtype")->string == "bfloat16");
+  CHECK(json::parse(read_bytes(dir / "config.json")).at("torch_dtype") == "bfloat16");
   SafetensorsFile f(dir / "model.safetensors");
   for (auto& [name, e] : f.entries()) {
     INFO(name);
@@ -443,25 +465,22 @@ TEST_CASE("load_pretrained: tied embeddings, shards, extra tensors", "[nn][check
   TempDir sh("shard");
   fs::copy_file(dir / "config.json", sh / "config.json");
   std::map<std::string, torch::Tensor> s1, s2;
-  auto index = json::Value::new_object();
-  index.set("metadata", json::Value::new_object()).set("total_size", json::Value::from_int(0));
-  auto& wm = index.set("weight_map", json::Value::new_object());
+  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", json::object()}};
+  auto& wm = index["weight_map"];
   int k = 0;
   for (auto& kv : a->named_parameters()) {
     bool first = k++ % 2 == 0;
     (first ? s1 : s2)[kv.key()] = kv.value();
-    wm.set(kv.key(), json::Value::from_string(first ? "model-00001-of-00002.safetensors"
-                                                    : "model-00002-of-00002.safetensors"));
+    wm[kv.key()] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
   save_safetensors(sh / "model-00001-of-00002.safetensors", s1);
   save_safetensors(sh / "model-00002-of-00002.safetensors", s2);
-  write_bytes(sh / "model.safetensors.index.json", json::dump(index, 2));
+  write_bytes(sh / "model.safetensors.index.json", index.dump(2));
   CHECK(close(load_pretrained(sh.str())(ids), ref, 0.0));
   // an index naming a tensor its shard lacks
-  wm.set("model.norm.weight",
-         json::Value::from_string(s1.count("model.norm.weight") ? "model-00002-of-00002.safetensors"
-                                                                 : "model-00001-of-00002.safetensors"));
-  write_bytes(sh / "model.safetensors.index.json", json::dump(index, 2));
+  wm["model.norm.weight"] = s1.count("model.norm.weight") ? "model-00002-of-00002.safetensors"
+                                                           : "model-00001-of-00002.safetensors";
+  write_bytes(sh / "model.safetensors.index.json", index.dump(2));
   CHECK_THROWS_WITH(load_pretrained(sh.str()),
                     fox_test::HasSubstring("'model.norm.weight' is not in its shard"));
 }
