@@ -1,0 +1,54 @@
+"""One rank of the context-parallel tests (run under torchrun by test_distributed.py): builds the
+whole sequence from a shared seed, takes its chunk, runs context_parallel_attention forward and
+backward, and saves its chunk's output and gradients to OUT_DIR/rank<r>.pt."""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from forgetting_transformer.distributed import context_parallel_attention
+
+
+def full_inputs(lengths, heads, kv_heads, head_dim, dtype, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q = torch.randn(2, T, heads, head_dim, generator=g)
+    k = torch.randn(2, T, kv_heads, head_dim, generator=g)
+    v = torch.randn(2, T, kv_heads, head_dim, generator=g)
+    log_fgate = torch.nn.functional.logsigmoid(torch.randn(2, T, heads, generator=g) + 2.0)
+    grad_out = torch.randn(2, T, heads, head_dim, generator=g)
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    return cast(q), cast(k), cast(v), log_fgate.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype), cast(grad_out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", required=True)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and os.environ.get("FOX_TEST_BACKEND") == "nccl"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    q, k, v, lf, grad_out = full_inputs(args.lengths, args.heads, args.kv_heads, args.head_dim,
+                                        dtype, args.seed, device)
+    start, n = sum(args.lengths[:rank]), args.lengths[rank]
+    mine = [t[:, start:start + n].detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
+    out = context_parallel_attention(*mine)
+    out.backward(grad_out[:, start:start + n])
+    torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine]},
+               os.path.join(args.out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
