@@ -1,6 +1,6 @@
 """One rank of the context-parallel tests (run under torchrun by test_distributed.py): builds the
 whole sequence from a shared seed, takes its chunk, runs context_parallel_attention forward and
-backward, and saves its chunk's output and gradients to OUT_DIR/rank<r>.pt."""
+backward, and saves its chunk's output and gradients to OUT_DIR/<dtype>_rank<r>.pt."""
 import argparse
 import os
 
@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--dtype", nargs="+", default=["float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
@@ -38,15 +38,16 @@ def main():
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dtype = getattr(torch, args.dtype)
-    q, k, v, lf, grad_out = full_inputs(args.lengths, args.heads, args.kv_heads, args.head_dim,
-                                        dtype, args.seed, device)
-    start, n = sum(args.lengths[:rank]), args.lengths[rank]
-    mine = [t[:, start:start + n].detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
-    out = context_parallel_attention(*mine)
-    out.backward(grad_out[:, start:start + n])
-    torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine]},
-               os.path.join(args.out_dir, f"rank{rank}.pt"))
+    for name in args.dtype:  # one process group for every dtype asked: one launch
+        dtype = getattr(torch, name)
+        q, k, v, lf, grad_out = full_inputs(args.lengths, args.heads, args.kv_heads,
+                                            args.head_dim, dtype, args.seed, device)
+        start, n = sum(args.lengths[:rank]), args.lengths[rank]
+        mine = [t[:, start:start + n].detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
+        out = context_parallel_attention(*mine)
+        out.backward(grad_out[:, start:start + n])
+        torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine]},
+                   os.path.join(args.out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()
 
 
