@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up a fresh machine and build everything: system packages, pinned Python packages, then the
-# CMake build (libfox_torch, _C, Catch2 tests; the CUDA kernels when torch has CUDA) installed in
-# editable mode. Idempotent: a second run only rebuilds what changed.
+# Set up a fresh machine and build everything: system packages, pinned Python packages, then one
+# CMake build (libfox_torch, _C, the Catch2 tests in build/cmake; the CUDA kernels when torch has
+# CUDA) packed into a wheel (dist/), which is installed into the virtual environment .venv (it sees
+# the pinned packages of this Python; the package itself comes only from the wheel). The tests and
+# the main job run with .venv's Python. Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +24,13 @@ python3 -m pip install -q --disable-pip-version-check \
 
 source .ci/env.sh
 echo "CUDA toolkit: ${CUDA_HOME:-none (CPU-only build)}"
-# The README's commands run the tests after this: build the Catch2 tests too.
+# The README's commands run the tests after this: build the Catch2 tests too (in build/cmake, the
+# wheel's own build directory: no second compile).
+rm -f dist/forgetting_transformer-*.whl
 FOX_BUILD_TESTS=${FOX_BUILD_TESTS:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  python3 -m pip install -q --no-build-isolation -e .
+  python3 -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w dist .
+
+[ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall \
+  dist/forgetting_transformer-*.whl
+echo "Installed $(ls dist/forgetting_transformer-*.whl) into .venv (.venv/bin/fox, .venv/bin/python)"
