@@ -17,5 +17,4 @@ fi
 # From tests/python, not the repository root: neither pytest nor the tests' `python -m ...`
 # subprocesses may import the source tree's forgetting_transformer/ (it has no built libraries).
 (cd tests/python && "$python" -m pytest -q --rootdir "$root" -c "$root/pyproject.toml" . "$@")
-# Each test case is its own process, mostly LibTorch start-up: run them side by side.
 ctest --test-dir build/cmake --output-on-failure -j "$(nproc)"

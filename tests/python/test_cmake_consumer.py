@@ -116,6 +116,10 @@ def build_and_run_consumer(build: Path, package_dir: Path, prefix_path: str, wit
 
 
 def test_cmake_consumer(tmp_path):
+    if os.environ.get("FOX_TEST_INSTALLED") == "1" and any((REPO_ROOT / "dist").glob("*.whl")):
+        # tests/run.sh: this package is the wheel's, in .venv; test_wheel builds the same app
+        # against the same wheel in a fresh environment (the build is the slow part).
+        pytest.skip("test_wheel builds the consumer against the installed wheel")
     build_and_run_consumer(tmp_path / "build", Path(forgetting_transformer.__file__).parent,
                            None, forgetting_transformer.built_with_cuda())
 
