@@ -4,6 +4,9 @@ installs libfox_torch, the _C module, the headers and the CMake package into the
 Environment knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0a"), CUDA_HOME (a CUDA toolkit root),
 FOX_BUILD_TESTS=1 (also build the Catch2 tests; .ci/setup.sh sets it), FOX_BUILD_DIR (default
 build/cmake), MAX_JOBS.
+
+A wheel (CUDA kernels, headers and CMake package inside; torch from the environment):
+    pip wheel --no-build-isolation --no-deps -w dist .
 """
 import os
 import re
@@ -36,6 +39,16 @@ def drop_cache_on_new_cuda_compiler(build_dir: Path, nvcc: str) -> None:
                 cache.unlink()
                 shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
             return
+
+
+def clear_installed(package_dir: Path) -> None:
+    """Remove what an earlier install put into the package directory (other SONAMEs, headers of
+    deleted files): a wheel then holds exactly this build's install, and build_py's copies of an
+    editable install's files in the source tree do not linger in it."""
+    for sub in ("lib", "include", "share"):
+        shutil.rmtree(package_dir / sub, ignore_errors=True)
+    for module in package_dir.glob("_C*.so"):
+        module.unlink()
 
 
 def _version(text: str) -> tuple:
@@ -83,6 +96,8 @@ class CMakeBuild(build_ext):
             f"-DFOX_BUILD_TESTS={'ON' if os.environ.get('FOX_BUILD_TESTS') == '1' else 'OFF'}",
             f"-DFOX_ENABLE_CUDA={'OFF' if os.environ.get('FOX_ENABLE_CUDA') == '0' else 'ON'}",
             f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0a')}",
+            # One plain libfox_torch.so: a wheel cannot hold the versioned names' symlinks.
+            "-DFOX_VERSIONED_LIBRARY=OFF",
         ]
         cuda_home = os.environ.get("CUDA_HOME")
         if cuda_home and torch.version.cuda:
@@ -98,9 +113,11 @@ class CMakeBuild(build_ext):
         if "MAX_JOBS" in os.environ:
             build += ["--parallel", os.environ["MAX_JOBS"]]
         subprocess.check_call(build)
+        clear_installed(package_dir)
         subprocess.check_call(["cmake", "--install", str(build_dir)])
         if self.editable_mode:
             # Editable installs import from the source tree: put the libraries there too.
+            clear_installed(ROOT / "forgetting_transformer")
             subprocess.check_call(["cmake", "--install", str(build_dir), "--prefix",
                                    str(ROOT / "forgetting_transformer")])
 

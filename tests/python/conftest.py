@@ -12,6 +12,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 HAS_CUDA = torch.cuda.is_available()
 
+
+def pytest_configure(config):
+    """Under tests/run.sh the package must be the one installed from the wheel, not the source
+    tree's forgetting_transformer/ (which a stray sys.path entry would bring in)."""
+    if os.environ.get("FOX_TEST_INSTALLED") != "1":
+        return
+    import forgetting_transformer
+
+    package = os.path.realpath(os.path.dirname(forgetting_transformer.__file__))
+    source = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..",
+                                           "forgetting_transformer"))
+    prefix = os.path.realpath(sys.prefix)
+    if package == source or not package.startswith(prefix + os.sep):
+        raise pytest.UsageError(f"forgetting_transformer imported from {package}, not from the "
+                                f"installed package of {prefix}")
+
 # CPU always; CUDA only where a GPU is visible (the tests carry the `cuda` marker, so
 # `-m "not cuda"` / `-m cuda` select them).
 DEVICES = [
