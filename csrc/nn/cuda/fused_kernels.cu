@@ -84,6 +84,29 @@ __device__ __forceinline__ int64_t block_row() {
   return int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
 }
 
+// Reduces a pair (a, b) over a block of kThreads with merge(a, b, a2, b2), which folds (a2, b2)
+// into (a, b): a butterfly within each warp, then thread 0 folds the warp results in warp order
+// (a fixed order: bitwise reproducible). The result is valid on thread 0.
+template <int kThreads, typename A, typename B, typename Merge>
+__device__ __forceinline__ void block_merge(A& a, B& b, Merge merge) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const A a2 = __shfl_xor_sync(0xffffffffu, a, o);
+    const B b2 = __shfl_xor_sync(0xffffffffu, b, o);
+    merge(a, b, a2, b2);
+  }
+  __shared__ A warp_a[kThreads / kWarp];
+  __shared__ B warp_b[kThreads / kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) {
+    warp_a[warp] = a;
+    warp_b[warp] = b;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / kWarp; ++w) merge(a, b, warp_a[w], warp_b[w]);
+  }
+}
+
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
 // With `delta`: the input is x + delta, rounded to x's dtype (as the separate add would) and
@@ -325,20 +348,11 @@ __global__ void __launch_bounds__(kLossThreads)
       s += __expf(xv - m);
     }
   }
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    merge_max_sum(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-  }
-  __shared__ float sm[kLossThreads / kWarp], ss[kLossThreads / kWarp];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (lane == 0) {
-    sm[warp] = m;
-    ss[warp] = s;
-  }
-  __syncthreads();
+  block_merge<kLossThreads>(m, s, [](float& m1, float& s1, float m2, float s2) {
+    merge_max_sum(m1, s1, m2, s2);
+  });
   if (threadIdx.x == 0) {
-    float bm = sm[0], bs = ss[0];
-    for (int i = 1; i < int(blockDim.x) / kWarp; ++i) merge_max_sum(bm, bs, sm[i], ss[i]);
-    const float l = bm + logf(bs);
+    const float l = m + logf(s);
     lse[row] = l;
     const int64_t label = labels[row];
     if (label == ignore_index) {
@@ -406,31 +420,13 @@ __global__ void __launch_bounds__(kArgmaxThreads)
       }
     }
   }
-  for (int o = kWarp / 2; o > 0; o /= 2) {
-    const float b = __shfl_xor_sync(0xffffffffu, best, o);
-    const int64_t bi = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (comes_first(b, bi, best, best_i)) {
-      best = b;
-      best_i = bi;
+  block_merge<kArgmaxThreads>(best, best_i, [](float& v, int64_t& i, float v2, int64_t i2) {
+    if (comes_first(v2, i2, v, i)) {
+      v = v2;
+      i = i2;
     }
-  }
-  __shared__ float sv[kArgmaxThreads / kWarp];
-  __shared__ int64_t si[kArgmaxThreads / kWarp];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (lane == 0) {
-    sv[warp] = best;
-    si[warp] = best_i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < int(blockDim.x) / kWarp; ++w) {
-      if (comes_first(sv[w], si[w], best, best_i)) {
-        best = sv[w];
-        best_i = si[w];
-      }
-    }
-    out[blockIdx.x] = best_i;
-  }
+  });
+  if (threadIdx.x == 0) out[blockIdx.x] = best_i;
 }
 
 // ---- static KV cache ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 // attribute is left off and both calls compile to nothing: plain stream order.
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -32,17 +33,24 @@ __device__ __forceinline__ void allow_next_kernel() {
 }
 
 // Whether the current device takes the attribute (compute capability 9.0 or newer), unless
-// FOX_DEPENDENT_LAUNCH=0 (plain launches, for comparisons).
+// FOX_DEPENDENT_LAUNCH=0 (plain launches, for comparisons). Looked up once per device: it is
+// asked on every launch of the decoding path.
 inline bool dependent_launch_supported() {
   static const bool disabled = [] {
     const char* v = std::getenv("FOX_DEPENDENT_LAUNCH");
     return v != nullptr && std::string(v) == "0";
   }();
-  if (disabled) return false;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+  constexpr int kDevices = 64;
+  static std::atomic<int> major_of[kDevices] = {};  // 0: not looked up yet
+  int device = 0;
+  if (disabled || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices)
     return false;
+  int major = major_of[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      return false;
+    major_of[device].store(major, std::memory_order_relaxed);
+  }
   return major >= 9;
 }
 
