@@ -5,6 +5,8 @@ CUDA events, after warm-up, L2 flushed before every call (decoding reads the cac
 real model: the previous layers evicted it), the two sides interleaved call by call, median of the
 repetitions. Next to each time:
 the floor, the bytes that must be read (K, V, and for ours log f) over the measured copy bandwidth.
+With --f16-gates a third column times ours on float16 gates (half the gate bytes; the compact
+cache of GQA models at head dim 64), interleaved with the other two.
 
     python3 bench/bench_decode.py                 # the full grid (B 1/8/64, five head layouts, D
                                                   # 64/128, Tk 2k-128k), bf16, Tq = 1
@@ -63,8 +65,9 @@ def causal_mask(tq, tk, device):
     return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
-def decode_inputs(B, tq, H, Hkv, D, Tk, dtype):
-    """q, k, v, log f of ours and the (B, H, T, D) views and mask of SDPA's call, as closures."""
+def decode_inputs(B, tq, H, Hkv, D, Tk, dtype, f16_gates=False):
+    """q, k, v, log f of ours and the (B, H, T, D) views and mask of SDPA's call, as closures
+    (ours, SDPA[, ours on float16 gates])."""
     q = torch.randn(B, tq, H, D, device="cuda", dtype=dtype)
     k = torch.randn(B, Tk, Hkv, D, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -74,7 +77,11 @@ def decode_inputs(B, tq, H, Hkv, D, Tk, dtype):
     ours = lambda: torch.ops.fox.forgetting_attention_fwd(q, k, v, g)  # noqa: E731
     sdpa = lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,  # noqa: E731
                                                   enable_gqa=Hkv < H)
-    return ours, sdpa
+    if not f16_gates:
+        return ours, sdpa
+    g16 = g.half()
+    ours16 = lambda: torch.ops.fox.forgetting_attention_fwd(q, k, v, g16)  # noqa: E731
+    return ours, sdpa, ours16
 
 
 def profile(shapes, dtype, tq):
@@ -103,6 +110,8 @@ def main():
     ap.add_argument("--tq", type=int, nargs="+", default=[1])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--f16-gates", action="store_true",
+                    help="also time ours on float16 gates (a third column)")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose cache is larger")
     ap.add_argument("--out", default=None, help="write decode.json and decode.md here")
     ap.add_argument("--shapes", nargs="+", metavar="B,H,HKV,D,TK",
@@ -122,7 +131,11 @@ def main():
     rows = []
     header = ("| Tq | B | H / Hkv | D | Tk | floor us (ours / SDPA) | ours us | SDPA us | ours/SDPA "
               "| ours % of bw |")
-    print(header + "\n" + "|---" * 10 + "|")
+    columns = 10
+    if args.f16_gates:
+        header += " floor f16 us | ours f16 us | f16/SDPA | f16 % of bw |"
+        columns += 4
+    print(header + "\n" + "|---" * columns + "|")
     shapes = ([tuple(int(x) for x in sh.split(",")) for sh in args.shapes] if args.shapes else
               [(B, H, Hkv, D, Tk) for B in grid_b for H, Hkv in GRID_HEADS for D in GRID_D
                for Tk in grid_tk])
@@ -132,22 +145,35 @@ def main():
             gate_bytes = 4 * B * Tk * H
             if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
                 continue
-            ours, sdpa = timed_side_by_side(list(decode_inputs(B, tq, H, Hkv, D, Tk, dtype)),
-                                            flush, args.reps)
+            times = timed_side_by_side(
+                list(decode_inputs(B, tq, H, Hkv, D, Tk, dtype, args.f16_gates)), flush, args.reps)
+            ours, sdpa = times[:2]
             floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
             floor_sdpa = kv_bytes / bandwidth * 1e6
             row = dict(tq=tq, B=B, H=H, Hkv=Hkv, D=D, Tk=Tk, ours_us=ours,
                        sdpa_us=sdpa, ratio=ours / sdpa, floor_ours_us=floor_ours,
                        floor_sdpa_us=floor_sdpa, bw_fraction=floor_ours / ours)
+            line = (f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
+                    f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
+                    f"{100 * floor_ours / ours:.0f}% |")
+            if args.f16_gates:
+                ours16 = times[2]
+                floor16 = (kv_bytes + gate_bytes / 2) / bandwidth * 1e6
+                row.update(f16_us=ours16, f16_ratio=ours16 / sdpa, floor_f16_us=floor16,
+                           f16_bw_fraction=floor16 / ours16)
+                line += (f" {floor16:.1f} | {ours16:.1f} | {ours16 / sdpa:.2f} | "
+                         f"{100 * floor16 / ours16:.0f}% |")
             rows.append(row)
-            print(f"| {tq} | {B} | {H}/{Hkv} | {D} | {Tk} | {floor_ours:.1f} / "
-                  f"{floor_sdpa:.1f} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.2f} | "
-                  f"{100 * floor_ours / ours:.0f}% |", flush=True)
+            print(line, flush=True)
             torch.cuda.empty_cache()
     worst = max(rows, key=lambda r: r["ratio"])
     within = sum(r["ratio"] <= 1.1 for r in rows)
     print(f"{within}/{len(rows)} shapes within 1.1x of SDPA; worst {worst['ratio']:.2f}x at "
           f"B={worst['B']} H={worst['H']}/{worst['Hkv']} D={worst['D']} Tk={worst['Tk']}")
+    if args.f16_gates:
+        best = [min(r["ratio"], r["f16_ratio"]) for r in rows]
+        print(f"float16 gates: {sum(r['f16_ratio'] <= 1.1 for r in rows)}/{len(rows)} within 1.1x; "
+              f"the better of the two gate dtypes: {sum(b <= 1.1 for b in best)}/{len(rows)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode.json"), "w") as f:

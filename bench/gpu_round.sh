@@ -6,7 +6,8 @@
 #
 # build      pip install -e . (TORCH_CUDA_ARCH_LIST=9.0a unless set)
 # tests      pytest -m cuda (bad-argument cases deselected: see NOTES, "Hygiene run")
-# decode     bench_decode.py, the full grid (Tq = 1) and Tq 4/16 on the quick grid
+# decode     bench_decode.py, the full grid (Tq = 1; float32 and float16 gates) and Tq 4/16 on
+#            the quick grid
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
 # model      bench_model.py (training step), for the cost of the wrapper layers
 set -uo pipefail
@@ -27,7 +28,7 @@ for stage in "$@"; do
         > "$OUT/tests.log" 2>&1 || status=1
       tail -15 "$OUT/tests.log" ;;
     decode)
-      python3 bench/bench_decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -3
+      python3 bench/bench_decode.py --f16-gates --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -3
       python3 bench/bench_decode.py --quick --tq 4 16 2>&1 | tee "$OUT/decode_tq.log" | tail -2 ;;
     generate)
       python3 bench/bench_generate.py --out "$OUT" 2>&1 | tee "$OUT/generate.log"

@@ -31,7 +31,9 @@ def forgetting_attention(
             multiple of num_kv_heads (GQA/MQA). seqlen_q <= seqlen_k: the queries are the last
             seqlen_q positions (chunked prefill, decoding).
         log_fgate: (batch, seqlen_k, num_heads) unless head_first, float32: log of the forget
-            gates, e.g. F.logsigmoid(fgate_logit.float()).
+            gates, e.g. F.logsigmoid(fgate_logit.float()). float16 is accepted too (a compact
+            decoding cache: half the gate bytes, each value rounded to 11 bits, summed in
+            float32); its gradient is float16.
         head_first: tensors are (batch, heads, seqlen, ...) instead of (batch, seqlen, heads, ...).
         seq_start: (batch,) integers in [0, seqlen_k): keys before seq_start[b] are ignored
             (left padding). Queries with no visible key get zeros.

@@ -64,9 +64,12 @@ IndexTensors check_forward_args(const at::Tensor& q, const at::Tensor& k, const 
               q.scalar_type(), "), got ", k.scalar_type());
   TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must have the dtype of q (",
               q.scalar_type(), "), got ", v.scalar_type());
+  // float16 gates: a compact decoding cache (half the gate bytes); the kernels sum them in
+  // float32. bfloat16 keeps too few bits of log f to be offered.
   TORCH_CHECK(log_fgate.scalar_type() == at::kFloat ||
+                  (log_fgate.scalar_type() == at::kHalf && q.scalar_type() != at::kDouble) ||
                   (log_fgate.scalar_type() == at::kDouble && q.scalar_type() == at::kDouble),
-              "log_fgate must be float32 (float64 only with float64 q), got ",
+              "log_fgate must be float32 or float16 (float64 only with float64 q), got ",
               log_fgate.scalar_type());
   for (const auto* t : {&k, &v, &log_fgate}) {
     TORCH_CHECK(t->device() == q.device(),

@@ -35,7 +35,7 @@ def check_forward(q, k, v, g, *, seq_start=None, cache_seqlens=None):
     out, lse = fwd(q, k, v, g, seq_start, *extra)
     ref = reference_rows(q.double(), k.double(), v.double(), g.double(), seq_start=seq_start,
                          cache_seqlens=cache_seqlens)
-    naive = reference_rows(q, k, v, g, seq_start=seq_start, cache_seqlens=cache_seqlens,
+    naive = reference_rows(q, k, v, g.float(), seq_start=seq_start, cache_seqlens=cache_seqlens,
                            dtype=q.dtype)
     problems = rule_violations(["out"], [out], [ref], [naive], q.dtype)
     assert not problems, f"q {tuple(q.shape)} k {tuple(k.shape)}: " + "; ".join(problems)
@@ -139,6 +139,53 @@ def test_strided_inputs_and_head_first():
     out_strided = check_forward(q, k, v, g_head_first)[0]
     out_contig = fwd(q.contiguous(), k.contiguous(), v.contiguous(), g)[0]
     assert torch.equal(out_strided, out_contig)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv", [(32, 4), (12, 4), (16, 1), (5, 5)])
+@pytest.mark.parametrize("layout", ["heads_fastest", "wide_rows", "head_first"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gate_layouts(H, Hkv, layout, D, gate_dtype):
+    # The gate loader's walks: heads fastest (groups of 8, 3 and 16 heads, so slots wrap to the
+    # next key at different steps; one head: keys fastest), rows wider than the heads, head-first;
+    # float32 gates by cp.async, float16 ones through registers. B=1 with few KV heads and a long
+    # cache: the most chunks, merged by the combine kernel. The reference reads the same gates.
+    B, Tk = 1, 70_000
+    q, k, v, g = make_inputs(B, 2, Tk, H, Hkv, D, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    g = g.to(gate_dtype)
+    if layout == "wide_rows":
+        wide = torch.full((B, Tk, H + 3), float("nan"), device="cuda", dtype=gate_dtype)
+        wide[..., 1:H + 1] = g
+        g = wide[..., 1:H + 1]
+    elif layout == "head_first":
+        g = g.transpose(1, 2).contiguous().transpose(1, 2)
+    check_forward(q, k, v, g)
+    check_forward(q[:, -1:], k, v, g, cache_seqlens=torch.tensor([Tk - 1], device="cuda"))
+
+
+@pytest.mark.parametrize("Tq", [1, 3, 8])
+def test_float16_gates_are_the_float32_gates_they_hold(Tq):
+    # float16 gates give what float32 gates of the same values give (the kernel sums in float32),
+    # with per-row lengths and left padding; the backward converts them and returns float16.
+    # Tq 1 and 8: read as float16, two heads a copy (row tiles start at even heads); Tq 3: a tile
+    # starts at head 5, so the gates go in as float32.
+    B, Tk = 3, 9000
+    q, k, v, g = make_inputs(B, Tq, Tk, 32, 4, 64, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    g16 = g.half()
+    lengths = torch.tensor([Tk, Tq + 5, 4097], device="cuda")
+    starts = torch.tensor([0, 1, 300], device="cuda")
+    out16, lse16 = fwd(q, k, v, g16, starts, None, None, None, lengths)
+    out32, lse32 = fwd(q, k, v, g16.float(), starts, None, None, None, lengths)
+    assert torch.equal(out16, out32) and torch.equal(lse16, lse32)
+    check_forward(q, k, v, g16, seq_start=starts, cache_seqlens=lengths)
+    qg, kg, vg, gg = (x.clone().requires_grad_() for x in (q, k, v, g16))
+    op(qg, kg, vg, gg).sum().backward()
+    g32 = g16.float().requires_grad_()
+    op(q, k, v, g32).sum().backward()
+    assert gg.grad.dtype == torch.float16
+    assert torch.equal(gg.grad, g32.grad.half())
 
 
 def test_deterministic():

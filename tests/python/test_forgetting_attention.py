@@ -340,6 +340,25 @@ def test_fwd_and_bwd_ops(device):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_float16_gates(device, dtype):
+    """float16 log_fgate (a compact decoding cache) means the float32 gates of the same values:
+    the same output bit for bit (prefill and decoding shapes), and a float16 gradient that is the
+    float32 one rounded."""
+    for Tq, Tk in ((40, 60), (1, 300)):
+        q, k, v, g = make_inputs(B=2, Tq=Tq, Tk=Tk, H=4, Hkv=2, D=64, dtype=dtype, device=device,
+                                 regime="mixed")
+        g16 = g.half()
+        grad_out = torch.randn_like(q)
+        out16, grads16 = forward_backward(op, (q, k, v, g16), grad_out)
+        out32, grads32 = forward_backward(op, (q, k, v, g16.float()), grad_out)
+        assert torch.equal(out16, out32)
+        for name, a, b in zip(GRAD_NAMES[:3], grads16[:3], grads32[:3]):
+            assert torch.equal(a, b), name
+        assert grads16[3].dtype == torch.float16
+        assert torch.equal(grads16[3], grads32[3].half())
+
+
 # ---- edge cases ----------------------------------------------------------------------------------
 
 
@@ -534,6 +553,7 @@ OPCHECK_CASES = {
     "cu_seqlens": dict(B=1, Tq=12, H=2, D=8, cu_seqlens=[0, 5, 5, 12]),
     "options": dict(B=1, Tq=9, H=2, D=8, sm_scale=0.5, adaptive_threshold=-5.0),
     "cache_seqlens": dict(B=3, Tq=2, Tk=10, H=4, Hkv=2, D=8, cache_seqlens=[10, 2, 7]),
+    "float16_gates": dict(B=2, Tq=3, Tk=10, H=4, Hkv=2, D=8, gate_dtype=torch.float16),
 }
 
 
@@ -546,7 +566,11 @@ def test_opcheck(case, requires_grad):
     for key in ("seq_start", "cu_seqlens", "cache_seqlens"):
         if extra[key] is not None:
             extra[key] = index_tensor(extra[key], "cpu")
-    inputs = [x.requires_grad_(requires_grad) for x in make_inputs(**cfg)]
+    gate_dtype = cfg.pop("gate_dtype", None)
+    inputs = make_inputs(**cfg)
+    if gate_dtype is not None:
+        inputs = inputs[:3] + (inputs[3].to(gate_dtype),)
+    inputs = [x.requires_grad_(requires_grad) for x in inputs]
     torch.library.opcheck(op.default, tuple(inputs), extra)
     if not requires_grad:
         torch.library.opcheck(torch.ops.fox.forgetting_attention_fwd.default, tuple(inputs), extra)

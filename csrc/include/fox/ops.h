@@ -37,7 +37,8 @@ struct AttentionOptions {
 
 /// Forgetting Attention: softmax(scale * q k^T + D) v with D_ij = sum_{l=j+1..i} log_fgate_l,
 /// causal, the seqlen_q queries at the last seqlen_q key positions. q: (B, Tq, H, D);
-/// k, v: (B, Tk, Hkv, D) with H % Hkv == 0; log_fgate: (B, Tk, H) float32. Returns (B, Tq, H, D).
+/// k, v: (B, Tk, Hkv, D) with H % Hkv == 0; log_fgate: (B, Tk, H) float32
+/// (or float16: a compact decoding cache, summed in float32). Returns (B, Tq, H, D).
 at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& log_fgate,
                                 const AttentionOptions& options = AttentionOptions());

@@ -104,6 +104,12 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, key_tiles);
   if (override_splits > 0) return static_cast<int>(std::min<int64_t>(override_splits, max_splits));
+  // A short cache whose unsplit blocks already give most SMs one: splitting doubles the blocks per
+  // SM but adds the partial results and the combine, which cost more than they bring there (B=8,
+  // 16 heads, D=64, 2k keys: 37 us unsplit against 41 us in 2 chunks). Longer caches keep the
+  // plan below: their time is bandwidth, which a second block per SM raises.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (p.seqlen_k <= 2048 && 5 * base >= 4 * sms) return 1;
   // s chunks of ceil(key_tiles / s) tiles: ceil(key_tiles / that) of them are non-empty. Over
   // s = 1..max_splits this gives every equal-chunk split (at most max_splits candidates, not one
   // per key tile: the plan runs on every eager decoding step).
@@ -120,6 +126,17 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   for (int64_t s = 1; s <= max_splits; ++s)
     if (efficiency(equal_chunks(s)) >= 0.85 * best) return static_cast<int>(equal_chunks(s));
   return 1;
+}
+
+// The decoding kernel copies float16 gates two adjacent heads at a time (cp.async moves 4 bytes at
+// least): the (B, T, H) layout with even strides, an even group, and row tiles (16 packed rows of
+// head-in-group x query) that start at even heads.
+bool half_gates_in_pairs(const at::Tensor& g, int64_t seqlen_q, int64_t group) {
+  const bool even_layout = g.stride(2) == 1 && g.stride(1) % 2 == 0 && g.stride(0) % 2 == 0 &&
+                           reinterpret_cast<uintptr_t>(g.data_ptr()) % 4 == 0 && group % 2 == 0;
+  const bool even_tiles =
+      group * seqlen_q <= 16 || (16 % seqlen_q == 0 && (16 / seqlen_q) % 2 == 0);
+  return even_layout && even_tiles;
 }
 
 // Split-KV decoding pays off when few (batch, head, query tile) blocks would face a long cache.
@@ -172,24 +189,32 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
+  const bool tensor_cores = type != ElementType::kFloat && fast_head_dim(q.size(3)) &&
+                            rows_are_16_byte_aligned(qc) && rows_are_16_byte_aligned(kc) &&
+                            rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(out);
+  const bool decode = tensor_cores && q.size(1) <= 16 && !idx.cu_seqlens.has_value() &&
+                      decode_kernel_enabled();
+  // float16 gates are read as they are by the decoding kernel where it can copy them a pair of
+  // heads at a time; every other kernel and layout takes them as float32.
+  const bool half_gates = log_fgate.scalar_type() == at::kHalf && decode &&
+                          half_gates_in_pairs(log_fgate, q.size(1), q.size(2) / k.size(2));
+  const at::Tensor gate = log_fgate.scalar_type() == at::kHalf && !half_gates
+                              ? log_fgate.to(at::kFloat)
+                              : log_fgate;
   ForwardParams p;
-  detail::fill_forward_params(p, qc, kc, vc, log_fgate, out, lse, idx,
+  detail::fill_forward_params(p, qc, kc, vc, gate, out, lse, idx,
                               detail::resolve_scale(sm_scale, q.size(3)), adaptive_threshold);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t max_len_q = max_sequence_length(idx, q.size(1));
   check_grid(((max_len_q + 31) / 32) * p.num_heads * p.batch);
 
-  const bool tensor_cores = type != ElementType::kFloat && fast_head_dim(p.head_dim) &&
-                            rows_are_16_byte_aligned(qc) && rows_are_16_byte_aligned(kc) &&
-                            rows_are_16_byte_aligned(vc) && rows_are_16_byte_aligned(out);
   const bool hopper = tensor_cores && hopper_kernels_enabled() && hopper_kernels_available();
   auto f32 = q.options().dtype(at::kFloat);
-  if (tensor_cores && p.seqlen_q <= 16 && !idx.cu_seqlens.has_value() && decode_kernel_enabled()) {
+  if (decode) {
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          static const int blocks_per_sm = decode_blocks_per_sm<T, kHeadDim>();
-          const int splits = plan_decode_splits(p, blocks_per_sm);
+          const int splits = plan_decode_splits(p, decode_blocks_per_sm<T, kHeadDim>(half_gates));
           at::Tensor out_partial, lse_partial, gate_total;
           if (splits > 1) {
             const int64_t rows = p.batch * p.seqlen_q;
@@ -198,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
             gate_total = at::empty({splits, p.batch, p.num_heads}, f32);
           }
           auto ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-          run_decode_forward<T, kHeadDim>(p, splits, ptr(out_partial), ptr(lse_partial),
+          run_decode_forward<T, kHeadDim>(p, half_gates, splits, ptr(out_partial), ptr(lse_partial),
                                           ptr(gate_total), stream);
         });
       }
@@ -282,16 +307,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   };
   auto dk = alloc(k);
   auto dv = alloc(v);
-  auto dg = alloc(log_fgate);
+  // The backward kernels read and write float32 gates (float16 ones are converted here and back).
+  const at::Tensor gate = log_fgate.to(at::kFloat);
+  auto dg = alloc(gate);
+  const auto in_gate_dtype = [&](at::Tensor x) { return x.to(log_fgate.scalar_type()); };
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     dg.zero_();
-    return {dq, dk, dv, dg};
+    return {dq, dk, dv, in_gate_dtype(dg)};
   }
   BackwardParams p;
-  detail::fill_forward_params(p, qc, kc, vc, log_fgate, oc, lse, idx,
+  detail::fill_forward_params(p, qc, kc, vc, gate, oc, lse, idx,
                               detail::resolve_scale(sm_scale, q.size(3)), adaptive_threshold);
   detail::fill_backward_params(p, doc, dq, dk, dv, dg);
   auto f32 = q.options().dtype(at::kFloat);
@@ -331,7 +359,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     run_generic_backward<T>(p, ws, max_len_q, max_len_k, stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dq, dk, dv, dg};
+  return {dq, dk, dv, in_gate_dtype(dg)};
 }
 
 at::Tensor forgetting_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

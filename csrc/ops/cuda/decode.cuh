@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "common.cuh"
 #include "dependent_launch.cuh"
@@ -130,20 +131,83 @@ __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* 
   }
 }
 
-// Gates of the tile's nh heads for keys j0..j0+kKeys-1 (zero past the end of the row). Threads
-// walk the gates in memory order: heads fastest when they are adjacent (the (B, T, H) layout: a
-// warp reads whole 32-byte sectors of a KV group's heads), keys fastest otherwise (head-first).
+// Where one thread's gate copies of a tile go: its first (slot, key) and the step between its
+// copies. Threads walk the gates in memory order: heads fastest when they are adjacent (the
+// (B, T, H) layout: a warp reads whole 32-byte sectors of a KV group's heads), keys fastest
+// otherwise (head-first). Set up once per block, so the tile loop divides nothing (a division by
+// the runtime head count per copy was a third of the loader's instructions).
+struct GateWalk {
+  int slot = 0, key = 0;  // first copy
+  int slot_step = 0, key_step = 0;
+  int wrap_slots = 0;     // heads fastest: a slot past nh wraps to the next key
+  int copies = 0;
+};
+
+template <int kKeys>
+__device__ __forceinline__ GateWalk gate_walk(int64_t g_head, int nh, bool heads_order) {
+  GateWalk w;
+  const int t = threadIdx.x;
+  const int total = nh * kKeys;
+  w.copies = t < total ? (total - 1 - t) / kThreads + 1 : 0;
+  if (heads_order && g_head == 1 && nh > 1) {
+    w.slot = t % nh;
+    w.key = t / nh;
+    w.slot_step = kThreads % nh;
+    w.key_step = kThreads / nh;
+    w.wrap_slots = nh;
+  } else {  // keys fastest: a copy kThreads later is the same key, kThreads / kKeys slots on
+    static_assert(kThreads % kKeys == 0, "a tile's keys must divide the block's threads");
+    w.slot = t / kKeys;
+    w.key = t % kKeys;
+    w.slot_step = kThreads / kKeys;
+  }
+  return w;
+}
+
+// Gates of the tile's nh heads for keys j0..j0+kKeys-1 (zero past the end of the row), into
+// Gs[slot][key].
 template <int kKeys, int kGStride>
 __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_t g_row,
-                                               int64_t g_head, int nh, int64_t j0, int64_t len,
-                                               bool heads_order) {
-  const bool heads_fastest = heads_order && g_head == 1 && nh > 1;
-  for (int idx = threadIdx.x; idx < nh * kKeys; idx += kThreads) {
-    const int slot = heads_fastest ? idx % nh : idx / kKeys;
-    const int key = heads_fastest ? idx / nh : idx % kKeys;
-    const bool valid = j0 + key < len;
-    const int64_t j = valid ? j0 + key : 0;
-    cp_async_4(Gs + slot * kGStride + key, g + j * g_row + slot * g_head, valid);
+                                               int64_t g_head, const GateWalk& w, int64_t j0,
+                                               int64_t len) {
+  const float* tile = g + j0 * g_row;
+  const int keys_here = static_cast<int>(min64(kKeys, len - j0));
+  int slot = w.slot, key = w.key;
+  for (int c = 0; c < w.copies; ++c) {
+    const bool valid = key < keys_here;
+    cp_async_4(Gs + slot * kGStride + key, tile + (valid ? key * g_row + slot * g_head : 0), valid);
+    slot += w.slot_step;
+    key += w.key_step;
+    if (w.wrap_slots && slot >= w.wrap_slots) {
+      slot -= w.wrap_slots;
+      ++key;
+    }
+  }
+}
+
+// float16 gates (a compact cache: half the gate bytes, which GQA decoding at head dim 64 needs to
+// come near SDPA). cp.async moves at least 4 bytes, so a copy takes the gates of two adjacent heads
+// of one key: the (B, T, H) layout, an even head offset and an even head count (the host sends
+// every other case through float32 gates). They land in Gh[key][slot] (float16, slot rows of
+// kGhStride) and the scan converts them.
+constexpr int kGhStride = kRows + 2;
+
+template <int kKeys>
+__device__ __forceinline__ void load_half_gate_tile(__half* Gh, const __half* g, int64_t g_row,
+                                                    const GateWalk& pairs, int64_t j0,
+                                                    int64_t len) {
+  const __half* tile = g + j0 * g_row;
+  const int keys_here = static_cast<int>(min64(kKeys, len - j0));
+  int pair = pairs.slot, key = pairs.key;
+  for (int c = 0; c < pairs.copies; ++c) {
+    const bool valid = key < keys_here;
+    cp_async_4(Gh + key * kGhStride + 2 * pair, tile + (valid ? key * g_row + 2 * pair : 0), valid);
+    pair += pairs.slot_step;
+    key += pairs.key_step;
+    if (pairs.wrap_slots && pair >= pairs.wrap_slots) {
+      pair -= pairs.wrap_slots;
+      ++key;
+    }
   }
 }
 
@@ -157,9 +221,11 @@ struct DecodeSplit {
   bool gates_heads_order = true;  // FOX_DECODE_GATES_KEYS_FASTEST=1: the other order (A/B)
 };
 
-template <typename T, int kHeadDim>
+// TG: the gates' element type, float or __half.
+template <typename T, typename TG, int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const ForwardParams p, const DecodeSplit split) {
+  constexpr bool kHalfGates = std::is_same_v<TG, __half>;
   using L = Smem<kHeadDim>;
   using Mma = MmaTraits<T>;
   constexpr int kS = kStages<kHeadDim>;
@@ -167,6 +233,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kDimSteps = kHeadDim / 16;
   constexpr int kKeys = kKeysOf<kHeadDim>, kSteps = kWarpKeySteps<kHeadDim>;
   constexpr int kPerLane = kKeys / 32;  // keys per lane in the gate scan
+  static_assert(sizeof(__half) * kKeys * kGhStride <= sizeof(float) * L::kGStage,
+                "a stage of float16 gates must fit in the float32 one");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw) + L::kQ;
   T* KV = reinterpret_cast<T*>(smem_raw) + L::kKV;
@@ -191,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
                    t.kv_head * p.k_head_stride;
   const T* vbase = static_cast<const T*>(p.v) + s.batch_index * p.v_batch_stride +
                    t.kv_head * p.v_head_stride;
-  const float* gbase = static_cast<const float*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
+  const TG* gbase = static_cast<const TG*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
                        head0 * p.g_head_stride;
 
   // Q rows (zero past the live rows) and rq of each row.
@@ -213,12 +281,15 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t packed = t.row0 + r;
         const int64_t slot = packed / tq - t.first_head, i = packed % tq;
         for (int64_t l = p_last; l > s.query_position(i); --l)
-          rq -= gbase[l * p.g_row_stride + slot * p.g_head_stride];
+          rq -= to_float(gbase[l * p.g_row_stride + slot * p.g_head_stride]);
       }
       Rq[r] = rq * kLog2e;
     }
   }
   // Prologue of the ring: the chunk's top kS - 1 tiles (walked downwards).
+  // float32: one copy a gate; float16: a copy a pair of heads (nh is even there)
+  const GateWalk walk = kHalfGates ? gate_walk<kKeys>(1, t.nh / 2, true)
+                                   : gate_walk<kKeys>(p.g_head_stride, t.nh, split.gates_heads_order);
   const int64_t num_tiles = t.tile_hi - t.tile_lo + 1;
   auto issue = [&](int64_t it) {
     if (it < num_tiles) {
@@ -226,9 +297,12 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t j0 = (t.tile_hi - it) * kKeys;
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
                                 kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
-      load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
-                                         p.g_head_stride, t.nh, j0, s.len_k,
-                                         split.gates_heads_order);
+      if constexpr (kHalfGates)
+        load_half_gate_tile<kKeys>(reinterpret_cast<__half*>(Gs + stage * L::kGStage), gbase,
+                                   p.g_row_stride, walk, j0, s.len_k);
+      else
+        load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
+                                           p.g_head_stride, walk, j0, s.len_k);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
   };
@@ -279,7 +353,11 @@ __global__ void __launch_bounds__(kThreads)
       float x[kPerLane], lane_sum = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
-        x[e] = G[slot * L::kGStride + kPerLane * lane + e];
+        if constexpr (kHalfGates)
+          x[e] = __half2float(
+              reinterpret_cast<const __half*>(G)[(kPerLane * lane + e) * kGhStride + slot]);
+        else
+          x[e] = G[slot * L::kGStride + kPerLane * lane + e];
         lane_sum += x[e];
       }
       const float incl = warp_inclusive_suffix_scan(lane_sum, lane);
@@ -451,64 +529,97 @@ __global__ void __launch_bounds__(kThreads)
   if (slice == 0) static_cast<float*>(p.lse)[(s.batch_index * p.num_heads + h) * tq + i] = lse2 * kLn2;
 }
 
-// Merges the chunks: one warp per (batch * query row, head). The log-sum-exp of chunk c is
-// shifted by the gates of the chunks above it (carry_c = sum of gate_total over c' > c, summed
-// from the top in a fixed order), then the chunks are weighted as in any split-KV merge.
+// Merges the chunks: one block of 4 warps per (batch * query row, head). The log-sum-exp of chunk
+// c is shifted by the gates of the chunks above it (carry_c = sum of gate_total over c' > c, summed
+// from the top in a fixed order), then the chunks are weighted as in any split-KV merge. The warps
+// take every 4th chunk, kCombineUnroll chunks' loads in flight at once: a long cache with few KV
+// heads is cut into up to 256 chunks, and one warp walking them one load at a time was latency
+// bound (~10 us at B=1, 32/4 heads, 128k keys).
+constexpr int kCombineUnroll = 4;
+
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(kThreads)
     decode_combine_kernel(const ForwardParams p, const DecodeSplit split) {
-  __shared__ float weight[4][kMaxSplits];
+  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 consecutive values: one 8- or 16-byte load
+  using Vec = std::conditional_t<kPerLane == 4, float4, float2>;
+  __shared__ float weight[kMaxSplits];
+  __shared__ __align__(16) float part[kWarps][kHeadDim];
+  __shared__ float weight_sum, lse_base;
   wait_for_previous_kernel();  // the chunks' partial results are written
   allow_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t total_rows = p.batch * p.seqlen_q;
-  const int64_t item = blockIdx.x * 4 + warp;
-  if (item >= total_rows * p.num_heads) return;
-  const int64_t row = item / p.num_heads, h = item % p.num_heads;
+  const int64_t row = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
   const int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
   const int S = split.num_splits;
-  float* w = weight[warp];
-  // Shifted lse of every chunk, 32 chunks at a time from the top.
-  float carry = 0.f, m = -INFINITY;
-  for (int c0 = ((S - 1) / 32) * 32; c0 >= 0; c0 -= 32) {
-    const int c = c0 + lane;
-    const float gt = c < S ? split.gate_total[(static_cast<int64_t>(c) * p.batch + b) * p.num_heads + h] : 0.f;
-    const float incl = warp_inclusive_suffix_scan(gt, lane);
-    const float above = __shfl_down_sync(0xffffffffu, incl, 1);
-    const float shift = carry + (lane < 31 ? above : 0.f);
-    if (c < S) {
-      const float lse = split.lse_partial[(static_cast<int64_t>(c) * p.num_heads + h) * total_rows + row];
-      w[c] = lse + shift * kLog2e;
-      m = fmaxf(m, w[c]);
+  if (warp == 0) {
+    // Shifted lse of every chunk, 32 chunks at a time from the top.
+    float carry = 0.f, m = -INFINITY;
+    for (int c0 = ((S - 1) / 32) * 32; c0 >= 0; c0 -= 32) {
+      const int c = c0 + lane;
+      const float gt = c < S ? split.gate_total[(static_cast<int64_t>(c) * p.batch + b) * p.num_heads + h] : 0.f;
+      const float incl = warp_inclusive_suffix_scan(gt, lane);
+      const float above = __shfl_down_sync(0xffffffffu, incl, 1);
+      const float shift = carry + (lane < 31 ? above : 0.f);
+      if (c < S) {
+        const float lse = split.lse_partial[(static_cast<int64_t>(c) * p.num_heads + h) * total_rows + row];
+        weight[c] = lse + shift * kLog2e;
+        m = fmaxf(m, weight[c]);
+      }
+      carry += __shfl_sync(0xffffffffu, incl, 0);
     }
-    carry += __shfl_sync(0xffffffffu, incl, 0);
+    m = warp_max(m);
+    const float base = m == -INFINITY ? 0.f : m;
+    float sum = 0.f;
+    for (int c = lane; c < S; c += 32) {
+      weight[c] = exp2f(weight[c] - base);
+      sum += weight[c];
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      weight_sum = sum;
+      lse_base = base;
+    }
   }
-  m = warp_max(m);
-  const float base = m == -INFINITY ? 0.f : m;
-  float sum = 0.f;
-  for (int c = lane; c < S; c += 32) {
-    w[c] = exp2f(w[c] - base);
-    sum += w[c];
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  constexpr int kPerLane = kHeadDim / 32;
+  __syncthreads();
+  const float* src = split.out_partial + (h * total_rows + row) * kHeadDim + lane * kPerLane;
+  const int64_t chunk_stride = p.num_heads * total_rows * kHeadDim;
   float acc[kPerLane] = {};
-  for (int c = 0; c < S; ++c) {
-    const float wc = w[c];
-    if (wc == 0.f) continue;
-    const float* src = split.out_partial +
-                       ((static_cast<int64_t>(c) * p.num_heads + h) * total_rows + row) * kHeadDim;
+  for (int c0 = warp; c0 < S; c0 += kWarps * kCombineUnroll) {
+    Vec x[kCombineUnroll];
+    float w[kCombineUnroll];
 #pragma unroll
-    for (int d = 0; d < kPerLane; ++d) acc[d] += wc * src[lane + 32 * d];
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int c = c0 + u * kWarps;
+      w[u] = c < S ? weight[c] : 0.f;
+      // Chunks of weight 0 (empty, or far below the others) are not read: their partial output
+      // may be anything finite or not.
+      x[u] = w[u] != 0.f ? *reinterpret_cast<const Vec*>(src + c * chunk_stride) : Vec{};
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const float* xu = reinterpret_cast<const float*>(&x[u]);
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) acc[d] += w[u] * xu[d];
+    }
   }
+#pragma unroll
+  for (int d = 0; d < kPerLane; ++d) part[warp][lane * kPerLane + d] = acc[d];
+  __syncthreads();
+  if (warp != 0) return;
+  const float sum = weight_sum;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int d = 0; d < kPerLane; ++d) out[lane + 32 * d] = from_float<T>(acc[d] * inv);
+  for (int d = 0; d < kPerLane; ++d) {
+    const int col = lane * kPerLane + d;
+    // A fixed order of the four warps' sums: the result does not depend on timing.
+    const float x = ((part[0][col] + part[1][col]) + part[2][col]) + part[3][col];
+    out[col] = from_float<T>(x * inv);
+  }
   if (lane == 0)
     static_cast<float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + i] =
-        sum > 0.f ? (base + log2f(sum)) * kLn2 : -INFINITY;
+        sum > 0.f ? (lse_base + log2f(sum)) * kLn2 : -INFINITY;
 }
 
 }  // namespace fox::cuda::decode
@@ -516,11 +627,11 @@ __global__ void __launch_bounds__(128)
 namespace fox::cuda {
 
 // Resident blocks per SM (the split planner fills the GPU with one wave of them).
-template <typename T, int kHeadDim>
-int decode_blocks_per_sm() {
+template <typename T, typename TG, int kHeadDim>
+int decode_blocks_per_sm_of() {
   using namespace decode;
   constexpr size_t smem = Smem<kHeadDim>::kBytes;
-  auto kernel = decode_kernel<T, kHeadDim>;
+  auto kernel = decode_kernel<T, TG, kHeadDim>;
   if (smem > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   int blocks = 0;
@@ -530,8 +641,15 @@ int decode_blocks_per_sm() {
 }
 
 template <typename T, int kHeadDim>
-void run_decode_forward(const ForwardParams& p, int num_splits, float* out_partial,
-                        float* lse_partial, float* gate_total, cudaStream_t stream) {
+int decode_blocks_per_sm(bool half_gates) {
+  static const int with_float = decode_blocks_per_sm_of<T, float, kHeadDim>();
+  static const int with_half = decode_blocks_per_sm_of<T, __half, kHeadDim>();
+  return half_gates ? with_half : with_float;
+}
+
+template <typename T, typename TG, int kHeadDim>
+void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_partial,
+                             float* lse_partial, float* gate_total, cudaStream_t stream) {
   using namespace decode;
   const int64_t group = p.heads_per_kv_head();
   const dim3 grid(static_cast<unsigned>((group * p.seqlen_q + kRows - 1) / kRows),
@@ -540,15 +658,27 @@ void run_decode_forward(const ForwardParams& p, int num_splits, float* out_parti
   static const bool keys_fastest = std::getenv("FOX_DECODE_GATES_KEYS_FASTEST") != nullptr;
   DecodeSplit split{num_splits, out_partial, lse_partial, gate_total, !keys_fastest};
   constexpr size_t smem = Smem<kHeadDim>::kBytes;
-  auto kernel = decode_kernel<T, kHeadDim>;
+  auto kernel = decode_kernel<T, TG, kHeadDim>;
   if (smem > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   launch_dependent(kernel, grid, dim3(kThreads), smem, stream, p, split);
   if (num_splits > 1) {
-    const int64_t items = p.batch * p.seqlen_q * p.num_heads;
-    launch_dependent(decode_combine_kernel<T, kHeadDim>,
-                     dim3(static_cast<unsigned>((items + 3) / 4)), dim3(128), 0, stream, p, split);
+    const int64_t items = p.batch * p.seqlen_q * p.num_heads;  // one block each
+    launch_dependent(decode_combine_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(items)),
+                     dim3(kThreads), 0, stream, p, split);
   }
+}
+
+template <typename T, int kHeadDim>
+void run_decode_forward(const ForwardParams& p, bool half_gates, int num_splits,
+                        float* out_partial, float* lse_partial, float* gate_total,
+                        cudaStream_t stream) {
+  if (half_gates)
+    run_decode_forward_with<T, __half, kHeadDim>(p, num_splits, out_partial, lse_partial,
+                                                 gate_total, stream);
+  else
+    run_decode_forward_with<T, float, kHeadDim>(p, num_splits, out_partial, lse_partial,
+                                                gate_total, stream);
 }
 
 }  // namespace fox::cuda

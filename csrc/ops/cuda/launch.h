@@ -73,11 +73,13 @@ constexpr int kDecodeMaxSplits = 256;
 // Keys per tile of the decoding kernel: head dim 64 takes 128 keys to move as many bytes per tile
 // (two barriers and a gate scan) as head dim 128 does with 64.
 constexpr int decode_keys_per_tile(int head_dim) { return head_dim <= 64 ? 128 : 64; }
+// half_gates: log_fgate is float16 (else float32).
 template <typename T, int kHeadDim>
-int decode_blocks_per_sm();
+int decode_blocks_per_sm(bool half_gates);
 template <typename T, int kHeadDim>
-void run_decode_forward(const ForwardParams& p, int num_splits, float* out_partial,
-                        float* lse_partial, float* gate_total, cudaStream_t stream);
+void run_decode_forward(const ForwardParams& p, bool half_gates, int num_splits,
+                        float* out_partial, float* lse_partial, float* gate_total,
+                        cudaStream_t stream);
 
 // Tensor-core backward for head_dim 64 and 128, fp16/bf16.
 template <typename T, int kHeadDim>
