@@ -92,8 +92,8 @@ struct DecodeTile {
   int64_t top = -1;                   // last key of the chunk
 };
 
-__device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits,
-                                                  int kKeys) {
+template <int kKeys>
+__device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits) {
   DecodeTile t;
   const int64_t group = p.heads_per_kv_head();
   const int64_t tq = p.seqlen_q;
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads)
   allow_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group_id = lane >> 2, quad = lane & 3;
-  const DecodeTile t = decode_tile(p, split.num_splits, kKeys);
+  const DecodeTile t = decode_tile<kKeys>(p, split.num_splits);
   const SequenceView& s = t.s;
   const int64_t tq = p.seqlen_q;
   const int64_t group = p.heads_per_kv_head();
@@ -552,6 +552,17 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
   const int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
   const int S = split.num_splits;
+  // Every warp's first kCombineUnroll chunks are loaded before the weights are known (their loads
+  // overlap warp 0's pass over the lse): one round of memory latency fewer on short splits. Every
+  // chunk's partial output is written (zeros for an empty chunk), so the loads are safe.
+  const float* src = split.out_partial + (h * total_rows + row) * kHeadDim + lane * kPerLane;
+  const int64_t chunk_stride = p.num_heads * total_rows * kHeadDim;
+  Vec first[kCombineUnroll];
+#pragma unroll
+  for (int u = 0; u < kCombineUnroll; ++u) {
+    const int c = warp + u * kWarps;
+    first[u] = c < S ? *reinterpret_cast<const Vec*>(src + c * chunk_stride) : Vec{};
+  }
   if (warp == 0) {
     // Shifted lse of every chunk, 32 chunks at a time from the top.
     float carry = 0.f, m = -INFINITY;
@@ -582,8 +593,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  const float* src = split.out_partial + (h * total_rows + row) * kHeadDim + lane * kPerLane;
-  const int64_t chunk_stride = p.num_heads * total_rows * kHeadDim;
   float acc[kPerLane] = {};
   for (int c0 = warp; c0 < S; c0 += kWarps * kCombineUnroll) {
     Vec x[kCombineUnroll];
@@ -592,12 +601,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kCombineUnroll; ++u) {
       const int c = c0 + u * kWarps;
       w[u] = c < S ? weight[c] : 0.f;
-      // Chunks of weight 0 (empty, or far below the others) are not read: their partial output
-      // may be anything finite or not.
-      x[u] = w[u] != 0.f ? *reinterpret_cast<const Vec*>(src + c * chunk_stride) : Vec{};
+      // Later chunks of weight 0 (empty, or far below the others) are not read.
+      x[u] = c0 == warp ? first[u]
+                        : (w[u] != 0.f ? *reinterpret_cast<const Vec*>(src + c * chunk_stride) : Vec{});
     }
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u) {
+      if (w[u] == 0.f) continue;  // 0 x (a partial of a far chunk) must stay 0
       const float* xu = reinterpret_cast<const float*>(&x[u]);
 #pragma unroll
       for (int d = 0; d < kPerLane; ++d) acc[d] += w[u] * xu[d];
