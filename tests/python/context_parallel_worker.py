@@ -1,13 +1,14 @@
 """One rank of the context-parallel tests (run under torchrun by test_distributed.py): builds the
-whole sequence from a shared seed, takes its chunk, runs context_parallel_attention forward and
-backward, and saves its chunk's output and gradients to OUT_DIR/<dtype>_rank<r>.pt."""
+whole sequence from a shared seed, takes its part (a contiguous chunk, or the zigzag layout's two
+chunks), runs context_parallel_attention forward and backward, and saves its part's output and
+gradients to OUT_DIR/<dtype>_rank<r>.pt."""
 import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
-from forgetting_transformer.distributed import context_parallel_attention
+from forgetting_transformer.distributed import context_parallel_attention, zigzag_shard
 
 
 def full_inputs(lengths, heads, kv_heads, head_dim, dtype, seed, device):
@@ -30,6 +31,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--dtype", nargs="+", default=["float64"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and os.environ.get("FOX_TEST_BACKEND") == "nccl"
@@ -42,10 +44,14 @@ def main():
         dtype = getattr(torch, name)
         q, k, v, lf, grad_out = full_inputs(args.lengths, args.heads, args.kv_heads,
                                             args.head_dim, dtype, args.seed, device)
-        start, n = sum(args.lengths[:rank]), args.lengths[rank]
-        mine = [t[:, start:start + n].detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
-        out = context_parallel_attention(*mine)
-        out.backward(grad_out[:, start:start + n])
+        if args.layout == "zigzag":  # --lengths: the whole sequence's length only
+            part = lambda t: zigzag_shard(t, rank, dist.get_world_size())  # noqa: E731
+        else:
+            start, n = sum(args.lengths[:rank]), args.lengths[rank]
+            part = lambda t: t[:, start:start + n]  # noqa: E731
+        mine = [part(t).detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
+        out = context_parallel_attention(*mine, layout=args.layout)
+        out.backward(part(grad_out))
         torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine]},
                    os.path.join(args.out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Context parallelism (forgetting_transformer.distributed): 2, 3 and 4 CPU processes (gloo), each
-with one chunk of the sequence, against the single-process op on the whole sequence, forward and
-backward: float64 to rounding, bf16 within the 2x rule of the single-process op's own error. On
-2 GPUs (nccl) the same where a machine has them."""
+with its part of the sequence (one contiguous chunk, or the zigzag layout's two), against the
+single-process op on the whole sequence, forward and backward: float64 to rounding, bf16 within
+the 2x rule of the single-process op's own error. On 2 GPUs (nccl) the same where a machine has
+them."""
 import os
 import socket
 import subprocess
@@ -16,21 +17,25 @@ from reference import rule_violations
 
 sys.path.insert(0, str(Path(__file__).parent))
 from context_parallel_worker import full_inputs  # noqa: E402
+from forgetting_transformer.distributed import zigzag_shard, zigzag_unshard  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "context_parallel_worker.py"
 
 
-def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, **opts):
-    """Runs the worker on len(lengths) processes; returns {dtype: (out, [dq, dk, dv, dlog_fgate])}
-    with the ranks' chunks concatenated."""
+def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, ranks=None, **opts):
+    """Runs the worker on len(lengths) processes (or `ranks`, with layout="zigzag" and lengths the
+    whole sequence's); returns {dtype: (out, [dq, dk, dv, dlog_fgate])} with the ranks' parts put
+    back in sequence order."""
+    ranks = ranks or len(lengths)
+    zigzag = opts.get("layout") == "zigzag"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1",
                **(env_extra or {}))
     env.pop("WORLD_SIZE", None)
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(len(lengths)),
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER),
             "--lengths", *map(str, lengths), "--dtype", *dtypes, "--out-dir", str(tmp_path)]
     for key, value in opts.items():
@@ -39,9 +44,10 @@ def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, **opts):
     assert r.returncode == 0, r.stdout[-2000:] + "\n" + r.stderr[-3000:]
     results = {}
     for name in dtypes:
-        parts = [torch.load(tmp_path / f"{name}_rank{i}.pt") for i in range(len(lengths))]
-        out = torch.cat([p["out"] for p in parts], 1)
-        grads = [torch.cat([p["grads"][j] for p in parts], 1) for j in range(4)]
+        parts = [torch.load(tmp_path / f"{name}_rank{i}.pt") for i in range(ranks)]
+        join = zigzag_unshard if zigzag else (lambda ts: torch.cat(ts, 1))
+        out = join([p["out"] for p in parts])
+        grads = [join([p["grads"][j] for p in parts]) for j in range(4)]
         results[name] = (out, grads)
     return results
 
@@ -82,12 +88,39 @@ def test_matches_single_process(tmp_path, lengths, kv_heads):
         check_bfloat16(lengths, *results["bfloat16"], kv_heads=kv_heads)
 
 
+@pytest.mark.parametrize("ranks,total,kv_heads", [
+    (2, 80, 4),     # 4 chunks of 20
+    (3, 86, 2),     # 6 chunks of 15, 15, 14, 14, 14, 14: uneven, GQA
+    (4, 61, 1),     # 8 chunks of 8 and 7, MQA
+])
+def test_zigzag_matches_single_process(tmp_path, ranks, total, kv_heads):
+    """The zigzag layout (rank r holds chunks r and 2P-1-r): float64 to rounding, bf16 (3 and 4
+    ranks) within the 2x rule."""
+    dtypes = ("float64",) if ranks == 2 else ("float64", "bfloat16")
+    results = run_ranks(tmp_path, [total], dtypes, ranks=ranks, kv_heads=kv_heads,
+                        layout="zigzag")
+    out, grads = results["float64"]
+    ref_out, ref_grads = single_process([total], torch.float64, kv_heads=kv_heads)
+    for name, got, ref in zip(NAMES, [out] + grads, [ref_out] + ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=name)
+    if "bfloat16" in results:
+        check_bfloat16([total], *results["bfloat16"], kv_heads=kv_heads)
+
+
+def test_zigzag_shard_round_trip():
+    x = torch.arange(2 * 23 * 3).view(2, 23, 3)
+    shards = [zigzag_shard(x, r, 3) for r in range(3)]
+    assert [s.shape[1] for s in shards] == [4 + 3, 4 + 4, 4 + 4]  # chunks 4,4,4,4,4,3: r and 5-r
+    assert torch.equal(zigzag_unshard(shards), x)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_nccl(tmp_path):
-    lengths = [256, 200]
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_two_gpus_nccl(tmp_path, layout):
+    lengths = [256, 200] if layout == "contiguous" else [456]
     out, grads = run_ranks(tmp_path, lengths, ("bfloat16",), {"FOX_TEST_BACKEND": "nccl"},
-                           kv_heads=2, head_dim=64)["bfloat16"]
-    check_bfloat16(lengths, out, grads, kv_heads=2, head_dim=64)
+                           ranks=2, kv_heads=2, head_dim=64, layout=layout)["bfloat16"]
+    check_bfloat16([456], out, grads, kv_heads=2, head_dim=64)
 
 
 def test_outside_a_process_group_is_a_clear_error():
