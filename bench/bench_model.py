@@ -5,6 +5,7 @@ Same weights in both (the eager model reads the C++ model's state_dict); bf16 au
 events after warm-up, median.
 
     python3 bench/bench_model.py [--seqlen 4096 --batch 4 --layers 12]
+    python3 bench/bench_model.py --checkpoint-activations   # the cost of per-block checkpointing
 """
 import argparse
 import math
@@ -102,6 +103,42 @@ def print_profile(title, step, steps=3, top=30):
         print(f"{e.device_time_total / steps / 1e3:8.2f} ms {e.count // steps:5d}x  {e.key[:110]}")
 
 
+def checkpointing_table(args):
+    """fox_torch with and without per-block activation checkpointing: tokens/s and peak memory of
+    a training step (parameters, gradients and activations; no optimizer state)."""
+    B, T = args.batch, args.seqlen
+    print("\n| model | k tokens/s | peak GiB | checkpointed: k tokens/s | peak GiB | time cost |")
+    print("|---|---|---|---|---|---|")
+    for arch in ("fox_pro", "transformer_pro"):
+        torch.manual_seed(0)
+        c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
+                                            num_hidden_layers=args.layers, num_heads=12).preset(arch)
+        model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).float().mean()
+            loss.backward()
+            return loss
+
+        cells = []
+        for checkpointing in (False, True):
+            model.set_activation_checkpointing(checkpointing)
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            cells.append((B * T / time_step(step), peak))
+        (tps, peak), (tps_ck, peak_ck) = cells
+        print(f"| {arch} | {tps:,.0f} | {peak:.2f} | {tps_ck:,.0f} | {peak_ck:.2f} | "
+              f"{tps / tps_ck:.2f}x the time |", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=4096)
@@ -110,7 +147,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA kernels that take the most time in each step")
+    ap.add_argument("--checkpoint-activations", action="store_true",
+                    help="only the table of fox_torch with and without per-block activation "
+                         "checkpointing (tokens/s, peak memory)")
     args = ap.parse_args()
+    if args.checkpoint_activations:
+        return checkpointing_table(args)
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, B={B}, T={T}, bf16 autocast, fwd+bwd")

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _C
@@ -267,17 +268,33 @@ class ForgettingTransformerModel(_CppModuleMixin, _nn.ForgettingTransformerModel
         if any(b._forward_hooks or b._forward_pre_hooks for b in self._modules["layers"]):
             self._run_blocks_in_python()
 
+    def set_activation_checkpointing(self, enabled: bool = True):
+        """Per-block activation checkpointing: in training (no cache, gradients on) a block keeps
+        only its input and recomputes the rest of its activations in the backward pass
+        (non-reentrant torch.utils.checkpoint; FSDP2's hooks run in the recompute too). Costs
+        one more forward of every block; the blocks then run through Python (~20 us a block)."""
+        self.__dict__["_checkpoint_blocks"] = bool(enabled)
+        if enabled:
+            self._run_blocks_in_python()
+
     def _run_blocks_in_python(self):
         """Makes the C++ forward call every block through its Python module, so that the block's
-        hooks run (FSDP2 unshards a block's parameters in a forward pre-hook). Only once a block
-        has hooks: each call costs a trip through Python (~20 us). Weak references: the C++
-        model holds the runner, which must not keep the Python tree alive."""
+        hooks run (FSDP2 unshards a block's parameters in a forward pre-hook) and activation
+        checkpointing can wrap it. Only once needed: each call costs a trip through Python
+        (~20 us). Weak references: the C++ model holds the runner, which must not keep the
+        Python tree alive."""
         if self.__dict__.get("_blocks_in_python"):
             return
         blocks = [weakref.ref(b) for b in self._modules["layers"]]
+        decoder = weakref.ref(self)  # its flag is read at every call
 
         def run(i, h, cache, seq_start):
-            return blocks[i]()(h, cache, seq_start)
+            block = blocks[i]()
+            checkpointing = decoder().__dict__.get("_checkpoint_blocks", False)
+            if checkpointing and cache is None and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(block, h, cache, seq_start,
+                                                         use_reentrant=False)
+            return block(h, cache, seq_start)
 
         _nn.set_block_runner(self.cpp_module, run)
         weakref.finalize(self, _nn.set_block_runner, self.cpp_module, None)
@@ -300,6 +317,10 @@ class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransforme
         super().__init__(_config(config, kwargs))
         self._fix_wrapper()
         self._cpp_generate = self.__dict__.pop("generate")
+
+    def set_activation_checkpointing(self, enabled: bool = True):
+        """Per-block activation checkpointing of the decoder (ForgettingTransformerModel's)."""
+        self._modules["model"].set_activation_checkpointing(enabled)
 
     def generate(self, input_ids: torch.Tensor, options: Optional[GenerationOptions] = None,
                  **kwargs) -> torch.Tensor:

@@ -52,6 +52,10 @@ def _add_train_flags(p):
     p.add_argument("--fsdp", action="store_true", default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state with "
                         "FSDP2 (fully_shard per block) instead of replicating them (DDP)")
+    p.add_argument("--checkpoint-activations", action="store_true", default=None,
+                   dest="checkpoint_activations",
+                   help="keep only each block's input in training and recompute the rest in the "
+                        "backward pass (less memory, one more forward of every block)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key; VALUE is parsed as JSON when it can be")
 
@@ -59,6 +63,7 @@ def _add_train_flags(p):
 def _config_from(args):
     overrides = {key: getattr(args, key) for _, (key, _, _) in TRAIN_FLAGS.items()}
     overrides["fsdp"] = getattr(args, "fsdp", None)
+    overrides["checkpoint_activations"] = getattr(args, "checkpoint_activations", None)
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")

@@ -39,6 +39,7 @@ DEFAULTS: Dict[str, Any] = {
     "tokens": None,                  # pre-tokenized ids: .npy, or raw (token_dtype)
     "token_dtype": None,             # uint16 | uint32, for raw token files
     "fsdp": False,                   # under torchrun: FSDP2 (fully_shard per block) instead of DDP
+    "checkpoint_activations": False, # recompute each block's activations in the backward pass
     "tensorboard": True,             # also log to <out_dir>/tensorboard when it is installed
     "log_interval": 10,
     "eval_interval": 100,            # validation loss during training, in steps (0: off)

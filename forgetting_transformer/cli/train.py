@@ -160,7 +160,10 @@ def autocast_for(cfg, device: torch.device):
 def build_model(cfg, arch: str, index: int, device):
     from ..nn import ForgettingTransformerForCausalLM
     torch.manual_seed(cfg["seed"] * 1000 + index)
-    return ForgettingTransformerForCausalLM(cfgmod.model_config(cfg, arch)).to(device)
+    model = ForgettingTransformerForCausalLM(cfgmod.model_config(cfg, arch)).to(device)
+    if cfg.get("checkpoint_activations"):
+        model.set_activation_checkpointing(True)
+    return model
 
 
 def _is_dtensor(t) -> bool:

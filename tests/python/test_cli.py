@@ -240,6 +240,14 @@ def test_stop_and_resume_is_bitwise_identical(micro_run, tmp_path):
     assert steps == sorted(set(steps))                                  # no duplicated records
 
 
+def test_checkpoint_activations_trains_the_same(micro_run, tmp_path):
+    # Recomputing every block in the backward pass changes no bit of the run.
+    out = tmp_path / "ck"
+    assert cli.main(["train", *MICRO, "--checkpoint-activations", "--out-dir", str(out)]) == 0
+    assert state(out)["config"]["checkpoint_activations"] is True
+    assert_same_checkpoint(state(micro_run), state(out))
+
+
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     """A real kill -9 in the middle of training (maybe during a checkpoint write), then --resume."""
     args = [sys.executable, "-m", "forgetting_transformer", "train", *MICRO, "--steps", "40",

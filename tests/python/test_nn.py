@@ -151,6 +151,37 @@ def test_training_step_reduces_loss():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_activation_checkpointing(arch):
+    """Per-block checkpointing: the same loss and gradients bit for bit, and the blocks'
+    activations are no longer kept (the bytes saved for backward outside the checkpointed blocks
+    fall to the embedding, the final norm, the head and the loss); decoding with a cache is
+    unaffected."""
+    model = randomized(fnn.ForgettingTransformerForCausalLM(tiny(arch)))
+    ids = torch.randint(0, 53, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def step(checkpointing):
+        model.set_activation_checkpointing(checkpointing)
+        model.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = model(ids, labels=torch.roll(ids, -1, 1)).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)
+
+    loss, grads, kept = step(False)
+    loss_ck, grads_ck, kept_ck = step(True)
+    assert torch.equal(loss, loss_ck)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ck))
+    assert kept_ck < kept / 3, (kept_ck, kept)
+    with torch.no_grad():
+        out = model.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
+    model.set_activation_checkpointing(False)
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(ids[:, :5], max_new_tokens=4, do_sample=False))
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("arch", ["fox_pro", "transformer_pro"])
 def test_cache_decoding_equals_full_forward(arch, grad):
