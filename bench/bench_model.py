@@ -139,6 +139,48 @@ def checkpointing_table(args):
         torch.cuda.empty_cache()
 
 
+def memory_census(args, top=16):
+    """Where a training step's memory goes: the peak, the parameters and gradients, and the
+    tensors saved for the backward pass (storages counted once) by dtype and shape."""
+    B, T = args.batch, args.seqlen
+    for arch in ("fox_pro", "transformer_pro"):
+        torch.manual_seed(0)
+        c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
+                                            num_hidden_layers=args.layers, num_heads=12).preset(arch)
+        model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        storages, by_kind = set(), {}
+
+        def pack(t):
+            key = t.untyped_storage().data_ptr()
+            if key not in storages and t.device.type == "cuda":
+                storages.add(key)
+                kind = (str(t.dtype).replace("torch.", ""), tuple(t.shape))
+                by_kind[kind] = by_kind.get(kind, 0) + t.untyped_storage().nbytes()
+            return t
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).float().mean()
+        after_forward = torch.cuda.memory_allocated() - base
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        saved = sum(by_kind.values())
+        print(f"\n## {arch}, B={B}, T={T}: peak {peak:.2f} GiB; parameters {params / 2**30:.2f} "
+              f"GiB (+ as much for gradients); held after forward {after_forward / 2**30:.2f} GiB, "
+              f"of which saved for backward {saved / 2**30:.2f} GiB")
+        print("| GiB | dtype | shape |\n|---|---|---|")
+        for (dtype, shape), n in sorted(by_kind.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"| {n / 2**30:.3f} | {dtype} | {shape} |")
+        del model, loss
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=4096)
@@ -150,9 +192,13 @@ def main():
     ap.add_argument("--checkpoint-activations", action="store_true",
                     help="only the table of fox_torch with and without per-block activation "
                          "checkpointing (tokens/s, peak memory)")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the memory census of a training step (peak, saved tensors)")
     args = ap.parse_args()
     if args.checkpoint_activations:
         return checkpointing_table(args)
+    if args.memory:
+        return memory_census(args)
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, B={B}, T={T}, bf16 autocast, fwd+bwd")
