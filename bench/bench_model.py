@@ -103,6 +103,24 @@ def print_profile(title, step, steps=3, top=30):
         print(f"{e.device_time_total / steps / 1e3:8.2f} ms {e.count // steps:5d}x  {e.key[:110]}")
 
 
+def model_125m(arch, args):
+    """The 125M-class model of the tables (seeded), on the GPU: (config, model)."""
+    torch.manual_seed(0)
+    c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
+                                        num_hidden_layers=args.layers, num_heads=12).preset(arch)
+    return c, fnn.ForgettingTransformerForCausalLM(c).cuda()
+
+
+def fox_training_step(model, ids, labels):
+    """forward + backward of the mean per-token loss under bf16 autocast, as a closure."""
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=labels).float().mean()
+        loss.backward()
+        return loss
+    return step
+
+
 def checkpointing_table(args):
     """fox_torch with and without per-block activation checkpointing: tokens/s and peak memory of
     a training step (parameters, gradients and activations; no optimizer state)."""
@@ -110,18 +128,9 @@ def checkpointing_table(args):
     print("\n| model | k tokens/s | peak GiB | checkpointed: k tokens/s | peak GiB | time cost |")
     print("|---|---|---|---|---|---|")
     for arch in ("fox_pro", "transformer_pro"):
-        torch.manual_seed(0)
-        c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
-                                            num_hidden_layers=args.layers, num_heads=12).preset(arch)
-        model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+        _, model = model_125m(arch, args)
         ids = torch.randint(0, args.vocab, (B, T), device="cuda")
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids).float().mean()
-            loss.backward()
-            return loss
-
+        step = fox_training_step(model, ids, ids)
         cells = []
         for checkpointing in (False, True):
             model.set_activation_checkpointing(checkpointing)
@@ -144,10 +153,7 @@ def memory_census(args, top=16):
     tensors saved for the backward pass (storages counted once) by dtype and shape."""
     B, T = args.batch, args.seqlen
     for arch in ("fox_pro", "transformer_pro"):
-        torch.manual_seed(0)
-        c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
-                                            num_hidden_layers=args.layers, num_heads=12).preset(arch)
-        model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+        _, model = model_125m(arch, args)
         ids = torch.randint(0, args.vocab, (B, T), device="cuda")
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         storages, by_kind = set(), {}
@@ -207,20 +213,13 @@ def main():
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cuda")
     notes = []
     for arch, eager_name in (("fox_pro", "FlexAttention"), ("transformer_pro", "SDPA")):
-        torch.manual_seed(0)
-        c = fnn.ForgettingTransformerConfig(vocab_size=args.vocab, hidden_size=768,
-                                            num_hidden_layers=args.layers, num_heads=12).preset(arch)
-        model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+        c, model = model_125m(arch, args)
         params = {k: v.detach().clone().requires_grad_(v.is_floating_point())
                   for k, v in model.state_dict().items()}
         ids = torch.randint(0, args.vocab, (B, T), device="cuda")
         labels = torch.randint(0, args.vocab, (B, T), device="cuda")
 
-        def fox_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=labels).float().mean()
-            loss.backward()
-            return loss
+        fox_step = fox_training_step(model, ids, labels)
 
         def eager_step():
             with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -141,6 +141,15 @@ struct GateWalk {
   int slot_step = 0, key_step = 0;
   int wrap_slots = 0;     // heads fastest: a slot past nh wraps to the next key
   int copies = 0;
+
+  __device__ __forceinline__ void next(int& s, int& k) const {
+    s += slot_step;
+    k += key_step;
+    if (wrap_slots && s >= wrap_slots) {
+      s -= wrap_slots;
+      ++k;
+    }
+  }
 };
 
 template <int kKeys>
@@ -176,12 +185,7 @@ __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_
   for (int c = 0; c < w.copies; ++c) {
     const bool valid = key < keys_here;
     cp_async_4(Gs + slot * kGStride + key, tile + (valid ? key * g_row + slot * g_head : 0), valid);
-    slot += w.slot_step;
-    key += w.key_step;
-    if (w.wrap_slots && slot >= w.wrap_slots) {
-      slot -= w.wrap_slots;
-      ++key;
-    }
+    w.next(slot, key);
   }
 }
 
@@ -202,12 +206,7 @@ __device__ __forceinline__ void load_half_gate_tile(__half* Gh, const __half* g,
   for (int c = 0; c < pairs.copies; ++c) {
     const bool valid = key < keys_here;
     cp_async_4(Gh + key * kGhStride + 2 * pair, tile + (valid ? key * g_row + 2 * pair : 0), valid);
-    pair += pairs.slot_step;
-    key += pairs.key_step;
-    if (pairs.wrap_slots && pair >= pairs.wrap_slots) {
-      pair -= pairs.wrap_slots;
-      ++key;
-    }
+    pairs.next(pair, key);
   }
 }
 
