@@ -123,6 +123,41 @@ def test_two_gpus_nccl(tmp_path, layout):
     check_bfloat16([456], out, grads, kv_heads=2, head_dim=64)
 
 
+def test_bad_layouts_are_clear_errors():
+    """In a process group of one (gloo): an unknown layout, and a sequence too short for the
+    zigzag chunks, are ValueErrors that say what was expected."""
+    code = """
+import socket, torch, torch.distributed as dist
+from forgetting_transformer.distributed import context_parallel_attention
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from forgetting_transformer import forgetting_attention
+t, g = torch.randn(1, 5, 2, 8), torch.nn.functional.logsigmoid(torch.randn(1, 5, 2))
+try:
+    context_parallel_attention(t, t, t, g, layout="ring")
+except ValueError as e:
+    assert "layout must be" in str(e), e
+else:
+    raise AssertionError("layout='ring'")
+# a group of one holds both zigzag chunks: the op on the whole sequence
+assert torch.equal(context_parallel_attention(t, t, t, g, layout="zigzag"),
+                   forgetting_attention(t, t, t, g))
+t1, g1 = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2)
+try:  # one position cannot be cut into the 2 chunks of a group of one
+    context_parallel_attention(t1, t1, t1, g1, layout="zigzag")
+except ValueError as e:
+    assert "at least 2 positions" in str(e), e
+else:
+    raise AssertionError("1 position")
+dist.destroy_process_group()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def test_outside_a_process_group_is_a_clear_error():
     from forgetting_transformer.distributed import context_parallel_attention
     t = torch.zeros(1, 4, 2, 8)

@@ -705,6 +705,10 @@ ERROR_CASES = [
     ("log_fgate_bf16", _with(None, log_fgate=lambda a, d: a["log_fgate"].bfloat16()), "log_fgate"),
     ("log_fgate_fp64_with_fp32_q", _with(None, log_fgate=lambda a, d: a["log_fgate"].double()),
      "log_fgate"),
+    ("log_fgate_fp16_with_fp64_q", _with(None, **{x: (lambda x: lambda a, d: a[x].double())(x)
+                                                  for x in ("q", "k", "v")},
+                                          log_fgate=lambda a, d: a["log_fgate"].half()),
+     "log_fgate"),
     ("head_dim_0", lambda d: _valid(d, D=0), "head_dim"),
     ("head_dim_257", lambda d: _valid(d, D=257), "head_dim"),
     ("kv_heads_not_dividing", lambda d: _valid(d, H=4, Hkv=3), "num_kv_heads"),
