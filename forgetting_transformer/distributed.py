@@ -19,7 +19,7 @@ Two layouts of the sequence over the P ranks:
 This is the all-gather form of context parallelism: the activations of every other layer stay
 split, while attention needs K, V and the gates of the prefix on each rank.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,6 @@ import torch.distributed as dist
 from .ops import forgetting_attention
 
 __all__ = ["context_parallel_attention", "zigzag_shard", "zigzag_unshard"]
-
-# A piece of the sequence: (global start, owning rank, offset in the owner's local tensor, length).
-Piece = Tuple[int, int, int, int]
-
 
 def _zigzag_chunk_sizes(total: int, world_size: int) -> List[int]:
     """Sizes of the 2P chunks of a sequence of `total` positions, as torch.tensor_split cuts it."""
@@ -66,7 +62,8 @@ def _chunk_lengths(length: int, group, device) -> List[int]:
 
 class _GatherSequence(torch.autograd.Function):
     """Forward: the first `needed` positions of the whole sequence, assembled from every rank's
-    local tensor (dim 1) by one all-gather; `pieces` says where each piece of the sequence lives.
+    local tensor (dim 1) by one all-gather; `pieces` says where each piece of the sequence lives:
+    (global start, owning rank, offset in the owner's local tensor, length), in sequence order.
     Backward: the gradients of every rank's assembled prefix are summed over the ranks (one
     all-reduce) and each rank keeps its own pieces."""
 

@@ -308,7 +308,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   auto dk = alloc(k);
   auto dv = alloc(v);
   // The backward kernels read and write float32 gates (float16 ones are converted here and back).
-  const at::Tensor gate = log_fgate.to(at::kFloat);
+  const at::Tensor gate =
+      log_fgate.scalar_type() == at::kHalf ? log_fgate.to(at::kFloat) : log_fgate;
   auto dg = alloc(gate);
   const auto in_gate_dtype = [&](at::Tensor x) { return x.to(log_fgate.scalar_type()); };
   if (q.numel() == 0 || k.numel() == 0) {
