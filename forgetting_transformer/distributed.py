@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .ops import forgetting_attention
 
-__all__ = ["context_parallel_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["context_parallel_attention", "set_context_parallel", "zigzag_shard", "zigzag_unshard"]
 
 def _zigzag_chunk_sizes(total: int, world_size: int) -> List[int]:
     """Sizes of the 2P chunks of a sequence of `total` positions, as torch.tensor_split cuts it."""
@@ -91,6 +91,112 @@ class _GatherSequence(torch.autograd.Function):
         return grad_x.contiguous(), None, None, None, None
 
 
+class _SequenceLayout:
+    """Where the pieces of a sequence live, from every rank's local length (in rank order).
+
+    pieces: (global start, owning rank, offset in the owner's local tensor, length), in sequence
+    order. mine: this rank's pieces as (global start, local offset, length), in local order.
+    Every rank sees the same lengths, so every rank raises alike: none waits in a collective."""
+
+    def __init__(self, lengths: List[int], rank: int, layout: str, who: str):
+        world_size = len(lengths)
+        self.lengths, self.total = lengths, sum(lengths)
+        if layout == "contiguous":
+            if min(lengths) == 0:
+                raise ValueError(f"{who}: every rank needs a non-empty chunk, got lengths {lengths}")
+            starts = [sum(lengths[:r]) for r in range(world_size)]
+            self.pieces = [(starts[r], r, 0, lengths[r]) for r in range(world_size)]
+        elif layout == "zigzag":
+            sizes = _zigzag_chunk_sizes(self.total, world_size)
+            expected = [sizes[r] + sizes[2 * world_size - 1 - r] for r in range(world_size)]
+            if lengths != expected or min(sizes) == 0:
+                raise ValueError(
+                    f"{who}: layout='zigzag' expects the parts zigzag_shard cuts (lengths "
+                    f"{expected} for {self.total} positions, at least {2 * world_size} positions "
+                    f"in all), got lengths {lengths}")
+            starts = [sum(sizes[:c]) for c in range(2 * world_size)]
+            self.pieces = []
+            for c in range(2 * world_size):
+                owner = c if c < world_size else 2 * world_size - 1 - c
+                self.pieces.append((starts[c], owner, 0 if c < world_size else sizes[owner],
+                                    sizes[c]))
+        else:
+            raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+        self.mine = [(start, offset, n) for offset, start, n in
+                     sorted((offset, start, n) for start, owner, offset, n in self.pieces
+                            if owner == rank)]
+
+
+def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayout:
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    return _SequenceLayout(_chunk_lengths(length, group, device), dist.get_rank(group), layout, who)
+
+
+def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold):
+    """The local queries against the prefix of the sequence each of their pieces needs."""
+    needed = max(start + n for start, _, n in where.mine)
+    k_seq = _GatherSequence.apply(k, group, where.lengths, where.pieces, needed)
+    v_seq = _GatherSequence.apply(v, group, where.lengths, where.pieces, needed)
+    g_seq = _GatherSequence.apply(log_fgate, group, where.lengths, where.pieces, needed)
+    outs = [forgetting_attention(q[:, offset:offset + n], k_seq[:, :start + n],
+                                 v_seq[:, :start + n], g_seq[:, :start + n], sm_scale=sm_scale,
+                                 adaptive_threshold=adaptive_threshold)
+            for start, offset, n in where.mine]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+class _PreviousTokens(torch.autograd.Function):
+    """Forward: y (B, T, C) -> (B, pieces, C), the token before each of this rank's pieces (zeros
+    before the first piece of the sequence), from one all-gather of every piece's last token.
+    Backward: the gradients are put at their source pieces and summed over the ranks (one
+    all-reduce). One function for every rank, whether or not its pieces have a predecessor, so
+    that every rank runs the same collectives in backward."""
+
+    @staticmethod
+    def forward(ctx, y, group, where: "_SequenceLayout"):
+        world_size = len(where.lengths)
+        per_rank = max(sum(1 for p in where.pieces if p[1] == r) for r in range(world_size))
+        ends = y.new_zeros((y.shape[0], per_rank) + tuple(y.shape[2:]))
+        for i, (_, offset, n) in enumerate(where.mine):
+            ends[:, i] = y[:, offset + n - 1]
+        gathered = [torch.empty_like(ends) for _ in range(world_size)]
+        dist.all_gather(gathered, ends, group=group)
+        # Piece i of the sequence ends where piece i + 1 begins: (owner, index in its ends).
+        source = {}
+        for owner in range(world_size):
+            owned = sorted((offset, start, n) for start, o, offset, n in where.pieces if o == owner)
+            for j, (_, start, n) in enumerate(owned):
+                source[start + n] = (owner, j)
+        ctx.group, ctx.where, ctx.source, ctx.per_rank = group, where, source, per_rank
+        ctx.y_shape = y.shape
+        first = [gathered[source[start][0]][:, source[start][1]] if start > 0
+                 else torch.zeros_like(ends[:, 0]) for start, _, _ in where.mine]
+        return torch.stack(first, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        where, world_size = ctx.where, len(ctx.where.lengths)
+        total = grad.new_zeros((world_size, ctx.per_rank) + tuple(grad.shape[:1]) +
+                               tuple(grad.shape[2:]))
+        for i, (start, _, _) in enumerate(where.mine):
+            if start > 0:
+                owner, j = ctx.source[start]
+                total[owner, j] += grad[:, i]
+        dist.all_reduce(total, group=ctx.group)
+        grad_y = grad.new_zeros(ctx.y_shape)
+        rank = dist.get_rank(ctx.group)
+        for i, (_, offset, n) in enumerate(where.mine):
+            grad_y[:, offset + n - 1] = total[rank, i]
+        return grad_y, None, None
+
+
+def _require_initialized(who: str):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{who}: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first)")
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,53 +220,64 @@ def context_parallel_attention(
     values and gates that other ranks attended to are summed across ranks). Every rank must run
     the backward through its output: the gradients are summed with collectives.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context_parallel_attention: torch.distributed is not initialized "
-                           "(call torch.distributed.init_process_group first)")
+    who = "context_parallel_attention"
+    _require_initialized(who)
     if layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"context_parallel_attention: layout must be 'contiguous' or 'zigzag', "
-                         f"got {layout!r}")
+        raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or log_fgate.dim() != 3:
-        raise ValueError("context_parallel_attention: q, k, v must be (batch, seqlen, heads, "
-                         "head_dim) and log_fgate (batch, seqlen, heads), got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(log_fgate.shape)}")
+        raise ValueError(f"{who}: q, k, v must be (batch, seqlen, heads, head_dim) and log_fgate "
+                         f"(batch, seqlen, heads), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(log_fgate.shape)}")
     if not (q.shape[1] == k.shape[1] == v.shape[1] == log_fgate.shape[1]):
-        raise ValueError("context_parallel_attention: q, k, v and log_fgate must hold the same "
-                         f"part of the sequence, got lengths {q.shape[1]}, {k.shape[1]}, "
-                         f"{v.shape[1]}, {log_fgate.shape[1]}")
-    lengths = _chunk_lengths(q.shape[1], group, q.device)
-    rank, world_size = dist.get_rank(group), len(lengths)
-    # Every rank sees the same lengths, so every rank raises alike: none waits in a collective.
-    if layout == "contiguous":
-        if min(lengths) == 0:
-            raise ValueError(f"context_parallel_attention: every rank needs a non-empty chunk, "
-                             f"got lengths {lengths}")
-        starts = [sum(lengths[:r]) for r in range(world_size)]
-        pieces = [(starts[r], r, 0, lengths[r]) for r in range(world_size)]
-        queries = [(0, lengths[rank], starts[rank] + lengths[rank])]  # (local start, n, prefix)
-    else:
-        sizes = _zigzag_chunk_sizes(sum(lengths), world_size)
-        expected = [sizes[r] + sizes[2 * world_size - 1 - r] for r in range(world_size)]
-        if lengths != expected or min(sizes) == 0:
-            raise ValueError(
-                f"context_parallel_attention: layout='zigzag' expects the parts zigzag_shard "
-                f"cuts (lengths {expected} for {sum(lengths)} positions, at least "
-                f"{2 * world_size} positions in all), got lengths {lengths}")
-        starts = [sum(sizes[:c]) for c in range(2 * world_size)]
-        pieces = []
-        for c in range(2 * world_size):
-            owner = c if c < world_size else 2 * world_size - 1 - c
-            pieces.append((starts[c], owner, 0 if c < world_size else sizes[owner], sizes[c]))
-        late = 2 * world_size - 1 - rank
-        queries = [(0, sizes[rank], starts[rank] + sizes[rank]),
-                   (sizes[rank], sizes[late], starts[late] + sizes[late])]
-    needed = max(prefix for _, _, prefix in queries)
-    k_seq = _GatherSequence.apply(k, group, lengths, pieces, needed)
-    v_seq = _GatherSequence.apply(v, group, lengths, pieces, needed)
-    g_seq = _GatherSequence.apply(log_fgate, group, lengths, pieces, needed)
-    outs = [forgetting_attention(q[:, start:start + n], k_seq[:, :prefix], v_seq[:, :prefix],
-                                 g_seq[:, :prefix], sm_scale=sm_scale,
-                                 adaptive_threshold=adaptive_threshold)
-            for start, n, prefix in queries]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        raise ValueError(f"{who}: q, k, v and log_fgate must hold the same part of the sequence, "
+                         f"got lengths {q.shape[1]}, {k.shape[1]}, {v.shape[1]}, "
+                         f"{log_fgate.shape[1]}")
+    where = _layout(q.shape[1], group, q.device, layout, who)
+    return _attend(q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold)
+
+
+def set_context_parallel(model, group=None, *, layout: Optional[str] = "contiguous"):
+    """Runs a fox model (forgetting_transformer.nn's ForgettingTransformerForCausalLM or
+    ForgettingTransformerModel) context-parallel over the ranks of `group`: every rank then passes
+    its part of each sequence (`input_ids` and `labels` cut as for context_parallel_attention:
+    one contiguous chunk a rank, or `zigzag_shard`'s two) and gets the per-token outputs of its
+    part, equal to those of the whole sequence in one process. Attention sees the whole
+    sequence through context_parallel_attention, the KV-shift of a part's first token reads the
+    token before it from the rank that holds it, RoPE takes global positions and the pruning
+    threshold is agreed over the ranks. Gradients of the parameters are each rank's share: sum
+    them over the group (data parallelism over the same ranks does, with the loss scaled by the
+    number of ranks it averages over). layout=None turns it off. Not with a cache or seq_start
+    (generation runs on whole sequences)."""
+    decoder = getattr(model, "model", model)
+    from . import _C
+    if layout is None:
+        _C.nn.set_sequence_shard(decoder.cpp_module, None)
+        return model
+    who = "set_context_parallel"
+    _require_initialized(who)
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    state = {}
+
+    def prepare(shard, length, device):
+        where = _layout(length, group, device, layout, who)
+        state["where"] = where
+        shard.positions = torch.cat([torch.arange(start, start + n, dtype=torch.int64)
+                                     for start, _, n in where.mine]).to(device)
+        shard.piece_lengths = [n for _, _, n in where.mine]
+        shard.sequence_length = where.total
+
+    def previous_tokens(y):
+        return _PreviousTokens.apply(y, group, state["where"])
+
+    def attention(q, k, v, log_fgate, sm_scale, adaptive_threshold):
+        if adaptive_threshold is not None:   # the same threshold on every rank: the lowest
+            t = torch.tensor([adaptive_threshold], dtype=torch.float64, device=q.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+            adaptive_threshold = float(t.item())
+        return _attend(q, k, v, log_fgate, group, state["where"], sm_scale, adaptive_threshold)
+
+    shard = _C.nn.SequenceShard()
+    shard.prepare, shard.previous_tokens, shard.attention = prepare, previous_tokens, attention
+    _C.nn.set_sequence_shard(decoder.cpp_module, shard)
+    return model

@@ -240,6 +240,27 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   return out;
 }
 
+namespace {
+// The KV-shift of a context-parallel shard: every local piece starts from the token before it,
+// which another rank may hold.
+torch::Tensor shard_shift_mix(const torch::Tensor& projected, const torch::Tensor& logits,
+                              const SequenceShard& shard) {
+  auto first = shard.previous_tokens(projected);  // (B, pieces, C)
+  std::vector<torch::Tensor> pieces;
+  int64_t offset = 0;
+  for (size_t i = 0; i < shard.piece_lengths.size(); ++i) {
+    const int64_t n = shard.piece_lengths[i];
+    pieces.push_back(functional::shift_mix(projected.narrow(1, offset, n),
+                                           logits.narrow(1, offset, n),
+                                           first.select(1, static_cast<int64_t>(i))));
+    offset += n;
+  }
+  TORCH_CHECK(offset == projected.size(1), "ForgettingAttentionLayer: the SequenceShard's pieces "
+              "cover ", offset, " tokens, the input has ", projected.size(1));
+  return pieces.size() == 1 ? pieces[0] : torch::cat(pieces, 1);
+}
+}  // namespace
+
 torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, LayerCache* cache,
                                                     const std::optional<torch::Tensor>& seq_start) {
   const auto& o = options;
@@ -250,11 +271,19 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   const int64_t D = head_dim();
   TORCH_CHECK(T > 0, "ForgettingAttentionLayer: empty sequence");
   // Positions of the new tokens: (T,) after a dynamic cache, (B, T) per row in a static one.
+  const SequenceShard* shard = shard_.value.get();
+  TORCH_CHECK(!shard || (!cache && !(seq_start.has_value() && seq_start->defined())),
+              "ForgettingAttentionLayer: a context-parallel forward takes neither a cache nor "
+              "seq_start");
+  TORCH_CHECK(!shard || (shard->positions.defined() && shard->positions.numel() == T),
+              "ForgettingAttentionLayer: the SequenceShard was prepared for ",
+              shard && shard->positions.defined() ? shard->positions.numel() : 0,
+              " tokens, the input has ", T);
   const bool static_cache = cache && cache->is_static();
   const int64_t offset = cache && !static_cache ? cache->length() : 0;
-  auto positions = static_cache
-                       ? cache->positions
-                       : torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
+  auto positions = static_cache ? cache->positions
+                   : shard      ? shard->positions
+                                : torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
 
   std::optional<torch::Tensor> start;
   auto x = x_in;
@@ -275,6 +304,7 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     // A static cache's state is updated in place (one kernel with the mix in a decoding step).
     if (static_cache && state->defined())
       return functional::shift_mix_update(projected, logits, *state);
+    if (shard) return shard_shift_mix(projected, logits, *shard);
     std::optional<torch::Tensor> prev;
     if (cache && state->defined()) prev = *state;
     auto [out, last] = shift->shift(projected, logits, prev);
@@ -311,10 +341,12 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     log_fgate = log_forget_gate_from(x, p.fgate_logits);
     if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
   }
-  const int64_t Tk = k.size(1);
+  // The pruning threshold's log(Tk) is that of the whole sequence under context parallelism.
+  const int64_t Tk = shard ? shard->sequence_length : k.size(1);
 
   AttentionOptions aopts;
-  aopts.sm_scale(1.0 / std::sqrt(static_cast<double>(D)));
+  const double sm_scale = 1.0 / std::sqrt(static_cast<double>(D));
+  aopts.sm_scale(sm_scale);
   if (start) aopts.seq_start(*start);
   if (static_cache) aopts.cache_seqlens(cache->seqlens);
   if (o.log_pruning_tolerance()) {
@@ -332,7 +364,8 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     }
     aopts.adaptive_threshold(-(2 * bound + std::log(double(Tk))) + *o.log_pruning_tolerance());
   }
-  auto out = fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
+  auto out = shard ? shard->attention(q, k, v, log_fgate, sm_scale, aopts.adaptive_threshold())
+                   : fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
   if (ogate_proj) out = functional::gated(p.ogate_logits, out, o.ogate_act());

@@ -139,6 +139,15 @@ torch::Tensor ForgettingTransformerModelImpl::forward(const torch::Tensor& input
   return forward_embeds(embeddings(input_ids), cache, seq_start);
 }
 
+void ForgettingTransformerModelImpl::set_sequence_shard(std::shared_ptr<SequenceShard> shard) {
+  TORCH_CHECK(!shard || (shard->prepare && shard->previous_tokens && shard->attention),
+              "ForgettingTransformerModel: a SequenceShard needs prepare, previous_tokens and "
+              "attention");
+  for (const auto& m : layers->children())
+    m->as<ForgettingTransformerBlockImpl>()->attn->set_sequence_shard(shard);
+  shard_.value = std::move(shard);
+}
+
 torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     const torch::Tensor& inputs_embeds, KVCache* cache,
     const std::optional<torch::Tensor>& seq_start) {
@@ -157,12 +166,17 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     if (!start && cache->seq_start) start = cache->seq_start;
   }
   const int64_t T = inputs_embeds.size(1);
+  if (auto* shard = shard_.value.get()) {
+    TORCH_CHECK(!cache && !start, "ForgettingTransformerModel: a context-parallel forward takes "
+                "neither a cache nor seq_start");
+    shard->prepare(shard, T, inputs_embeds.device());  // a pointer: Python fills this object
+  }
   if (cache) cache->begin_update(T);
   auto h = inputs_embeds;
   for (size_t i = 0; i < layers->size(); ++i) {
     auto* layer_cache = cache ? &cache->layers[i] : nullptr;
     auto* block = layers[i]->as<ForgettingTransformerBlockImpl>();
-    h = block_runner_.fn ? block_runner_.fn(static_cast<int64_t>(i), h, layer_cache, start)
+    h = block_runner_.value ? block_runner_.value(static_cast<int64_t>(i), h, layer_cache, start)
                          : block->forward(h, layer_cache, start);
   }
   if (cache) cache->finish_update(T);

@@ -320,6 +320,28 @@ void init_nn_bindings(py::module_& parent) {
       py::arg("model"), py::arg("runner"),
       "runner(i, h, layer_cache, seq_start) -> h runs block i in forward (None: call it directly)");
 
+  // ---- context parallelism (forgetting_transformer.distributed.set_context_parallel) ----------
+  py::class_<SequenceShard, std::shared_ptr<SequenceShard>>(
+      m, "SequenceShard",
+      "A sequence split across ranks, as a model's forward sees it: prepare(shard, length, "
+      "device) fills positions, piece_lengths and sequence_length once a forward; "
+      "previous_tokens(y) and attention(q, k, v, log_fgate, sm_scale, adaptive_threshold) "
+      "communicate")
+      .def(py::init<>())
+      .def_readwrite("prepare", &SequenceShard::prepare)
+      .def_readwrite("positions", &SequenceShard::positions)
+      .def_readwrite("piece_lengths", &SequenceShard::piece_lengths)
+      .def_readwrite("sequence_length", &SequenceShard::sequence_length)
+      .def_readwrite("previous_tokens", &SequenceShard::previous_tokens)
+      .def_readwrite("attention", &SequenceShard::attention);
+  m.def(
+      "set_sequence_shard",
+      [](ForgettingTransformerModelImpl& model, std::shared_ptr<SequenceShard> shard) {
+        model.set_sequence_shard(std::move(shard));
+      },
+      py::arg("model"), py::arg("shard"),
+      "Runs the model context-parallel over `shard` (None: the whole sequence is local)");
+
   m.def("mlp_intermediate_size", &mlp_intermediate_size, py::arg("hidden_size"),
         py::arg("hidden_ratio"));
   m.def("sample_next_token", &sample_next_token, py::arg("logits"), py::arg("options"));

@@ -163,3 +163,95 @@ def test_outside_a_process_group_is_a_clear_error():
     t = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         context_parallel_attention(t, t, t, torch.zeros(1, 4, 2))
+
+
+# ---- the model under context parallelism (set_context_parallel) ---------------------------------
+
+MODEL_WORKER = Path(__file__).parent / "context_parallel_model_worker.py"
+
+
+def run_model_ranks(tmp_path, ranks, lengths, **opts):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), str(MODEL_WORKER),
+            "--lengths", *map(str, lengths), "--out-dir", str(tmp_path)]
+    for key, value in opts.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + "\n" + r.stderr[-3000:]
+    return [torch.load(tmp_path / f"rank{i}.pt") for i in range(ranks)]
+
+
+@pytest.mark.parametrize("arch,ranks,lengths,layout,extra", [
+    ("fox_pro", 2, [23, 18], "contiguous", {}),
+    ("fox_pro", 3, [40], "zigzag", {"kv_heads": 2}),
+    ("fox_llama", 3, [9, 30, 14], "contiguous", {"kv_heads": 1}),
+    ("transformer_pro", 2, [37], "zigzag", {}),
+    ("transformer_llama", 2, [20, 20], "contiguous", {}),
+    ("fox_pro", 2, [44], "zigzag", {"pruning": -10.0}),
+    ("fox_pro", 2, [21, 19], "contiguous", {"checkpointing": 1}),
+])
+def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, extra):
+    """Every preset run context-parallel (its KV-shift across ranks, RoPE at global positions,
+    the pruning threshold agreed over the ranks, with per-block checkpointing): the per-token
+    losses equal those of the whole sequence in one process, and every parameter gradient summed
+    over the ranks equals the single-process one (float64, to rounding)."""
+    from context_parallel_model_worker import build, inputs
+    parts = run_model_ranks(tmp_path, ranks, lengths, arch=arch, layout=layout, **extra)
+    join = zigzag_unshard if layout == "zigzag" else (lambda ts: torch.cat(ts, 1))
+    loss = join([p["loss"] for p in parts])
+    model = build(arch, torch.float64, extra.get("kv_heads"), extra.get("pruning"))
+    ids, labels, weights = inputs(sum(lengths))
+    ref = model(ids, labels=labels)
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
+    for name, p in model.named_parameters():
+        got = sum(part["grads"][name] for part in parts)
+        torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_model_context_parallel_in_a_group_of_one():
+    """In a process group of one: the context-parallel model equals the plain one (bit for bit
+    with one contiguous chunk; to float32 rounding with zigzag's two pieces), a cache or seq_start is a clear error, a bad layout a ValueError, and layout=None turns it
+    off."""
+    code = """
+import socket, torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from forgetting_transformer.distributed import set_context_parallel
+from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+config = ForgettingTransformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                     num_heads=4).preset("fox_pro")
+model = ForgettingTransformerForCausalLM(config)
+ids = torch.randint(0, 50, (2, 12))
+plain = model(ids)
+set_context_parallel(model)
+assert torch.equal(model(ids), plain)
+set_context_parallel(model, layout="zigzag")   # two pieces: the queries in two calls
+torch.testing.assert_close(model(ids), plain, rtol=1e-5, atol=1e-5)
+for kwargs in ({"cache": model.new_cache()}, {"seq_start": torch.tensor([0, 2])}):
+    try:
+        model(ids, **kwargs)
+    except RuntimeError as e:
+        assert "neither a cache nor seq_start" in str(e), e
+    else:
+        raise AssertionError(kwargs)
+try:
+    set_context_parallel(model, layout="ring")
+except ValueError as e:
+    assert "layout must be" in str(e), e
+else:
+    raise AssertionError("layout='ring'")
+set_context_parallel(model, layout=None)
+model(ids, cache=model.new_cache())
+dist.destroy_process_group()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -8,8 +8,11 @@
 //   q_norm, k_norm                      GroupRMSNorm(heads, heads*head_dim, eps=1e-5) (QK-norm)
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/linear.h>
@@ -69,6 +72,40 @@ struct ForgettingAttentionLayerOptions {
   TORCH_ARG(double, initializer_range) = 0.02;
 };
 
+/// A member that clone() leaves empty: it refers to the host (a Python callback, a process
+/// group), not to the module's state, so a copy must not call into it.
+template <typename T>
+struct NotCopied {
+  T value{};
+  NotCopied() = default;
+  NotCopied(const NotCopied&) {}
+  NotCopied& operator=(const NotCopied&) { return *this; }
+};
+
+/// Context parallelism: the tokens a forward sees are pieces of one sequence split across the
+/// ranks of a process group (one contiguous chunk a rank, or the zigzag layout's two). The host
+/// (Python: forgetting_transformer.distributed.set_context_parallel) supplies the communication;
+/// a layer needs it where the sequence crosses a piece boundary: the KV-shift's previous token,
+/// RoPE positions, the pruning threshold's sequence length, and attention itself.
+struct SequenceShard {
+  /// Called by the model once a forward, with the local length and device: fills the fields below.
+  std::function<void(SequenceShard*, int64_t, torch::Device)> prepare;
+  /// Global positions of the local tokens, (T,) int64 on the forward's device.
+  torch::Tensor positions;
+  /// Lengths of the local pieces in local order (they sum to T).
+  std::vector<int64_t> piece_lengths;
+  /// Length of the whole sequence.
+  int64_t sequence_length = 0;
+  /// y (B, T, C) -> (B, pieces, C): the token of y before each local piece's first one (zeros
+  /// where a piece starts the sequence); its gradient flows back to the owner.
+  std::function<torch::Tensor(const torch::Tensor&)> previous_tokens;
+  /// (q, k, v, log_fgate, sm_scale, adaptive_threshold) of the local tokens -> their output
+  /// (B, T, H, D) of attention over the whole sequence (the threshold agreed over the ranks).
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              const torch::Tensor&, double, std::optional<double>)>
+      attention;
+};
+
 class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAttentionLayerImpl> {
  public:
   explicit ForgettingAttentionLayerImpl(const ForgettingAttentionLayerOptions& options);
@@ -97,7 +134,13 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   };
   InputProjections project_input(const torch::Tensor& x);
 
+  /// Run context-parallel over `shard` (null: the whole sequence is local again).
+  void set_sequence_shard(std::shared_ptr<SequenceShard> shard) { shard_.value = std::move(shard); }
+  const SequenceShard* sequence_shard() const { return shard_.value.get(); }
+
  private:
+  NotCopied<std::shared_ptr<SequenceShard>> shard_;
+
   /// The input projections' weights and biases concatenated into one GEMM operand, the width
   /// padded to a multiple of 64 (zero rows) so that every wide slice starts 16-byte aligned.
   struct ConcatenatedProjection {

@@ -141,7 +141,11 @@ class ForgettingTransformerModelImpl
   /// host can wrap each block call: Python runs the blocks through their nn.Module wrappers, where
   /// forward hooks (FSDP2's per-block unshard/reshard) fire. Copies (clone()) start without it:
   /// it calls back into the original's host.
-  void set_block_runner(BlockRunner runner) { block_runner_.fn = std::move(runner); }
+  void set_block_runner(BlockRunner runner) { block_runner_.value = std::move(runner); }
+  /// Context parallelism (see SequenceShard): every forward prepares `shard` for its local length,
+  /// and every attention layer runs over it; null turns it off. Not with a cache or seq_start.
+  void set_sequence_shard(std::shared_ptr<SequenceShard> shard);
+  const std::shared_ptr<SequenceShard>& sequence_shard() const { return shard_.value; }
 
   ForgettingTransformerConfig config;
   torch::nn::Embedding embeddings{nullptr};
@@ -149,12 +153,8 @@ class ForgettingTransformerModelImpl
   RMSNorm norm{nullptr};
 
  private:
-  struct NotCopied {
-    BlockRunner fn;
-    NotCopied() = default;
-    NotCopied(const NotCopied&) {}
-    NotCopied& operator=(const NotCopied&) { return *this; }
-  } block_runner_;
+  NotCopied<BlockRunner> block_runner_;
+  NotCopied<std::shared_ptr<SequenceShard>> shard_;
 };
 TORCH_MODULE(ForgettingTransformerModel);
 

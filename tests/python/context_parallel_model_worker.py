@@ -1,0 +1,69 @@
+"""One rank of the context-parallel model tests (run under torchrun by test_distributed.py): builds
+the same small model and token sequence on every rank from a shared seed, runs the model
+context-parallel (set_context_parallel) on its part of the sequence, weighs its per-token losses
+by a shared random weight, and saves its part of the loss and its share of every parameter
+gradient to OUT_DIR/rank<r>.pt."""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from forgetting_transformer.distributed import set_context_parallel, zigzag_shard
+from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+
+def build(arch, dtype, kv_heads=None, pruning=None, seed=0):
+    """The model and its inputs: input_ids, labels (a few -100) and per-token loss weights."""
+    config = ForgettingTransformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                         num_heads=4).preset(arch)
+    if kv_heads:
+        config.num_kv_heads = kv_heads
+    if pruning is not None:
+        config.log_pruning_tolerance = pruning
+    torch.manual_seed(seed)
+    model = ForgettingTransformerForCausalLM(config).to(dtype)
+    return model
+
+
+def inputs(total, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 50, (2, total), generator=g)
+    labels = torch.randint(0, 50, (2, total), generator=g)
+    labels[0, 3] = labels[1, -1] = -100
+    weights = torch.rand(2, total, generator=g, dtype=torch.float64)
+    return ids, labels, weights
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", required=True)
+    ap.add_argument("--lengths", type=int, nargs="+", required=True)
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--pruning", type=float, default=None)
+    ap.add_argument("--checkpointing", type=int, default=0)
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(args.arch, torch.float64, args.kv_heads, args.pruning)
+    if args.checkpointing:
+        model.set_activation_checkpointing(True)
+    set_context_parallel(model, layout=args.layout)
+    ids, labels, weights = inputs(sum(args.lengths))
+    if args.layout == "zigzag":  # --lengths: the whole sequence's length only
+        part = lambda t: zigzag_shard(t, rank, world)  # noqa: E731
+    else:
+        start, n = sum(args.lengths[:rank]), args.lengths[rank]
+        part = lambda t: t[:, start:start + n]  # noqa: E731
+    loss = model(part(ids), labels=part(labels))
+    (loss * part(weights)).sum().backward()
+    torch.save({"loss": loss.detach(),
+                "grads": {name: p.grad for name, p in model.named_parameters()}},
+               os.path.join(args.out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
