@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from .ops import forgetting_attention
 
-__all__ = ["context_parallel_attention", "set_context_parallel", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["context_parallel_attention", "set_context_parallel", "shard_sequence", "zigzag_shard",
+           "zigzag_unshard"]
 
 def _zigzag_chunk_sizes(total: int, world_size: int) -> List[int]:
     """Sizes of the 2P chunks of a sequence of `total` positions, as torch.tensor_split cuts it."""
@@ -50,6 +51,17 @@ def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor
         first, second = torch.split(t, [sizes[r], sizes[2 * world_size - 1 - r]], dim)
         chunks[r], chunks[2 * world_size - 1 - r] = first, second
     return torch.cat(chunks, dim)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous",
+                   dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s part of a whole sequence `x` in `layout`: chunk rank of world_size
+    (torch.tensor_split, "contiguous") or zigzag_shard's two chunks ("zigzag")."""
+    if layout == "zigzag":
+        return zigzag_shard(x, rank, world_size, dim)
+    if layout == "contiguous":
+        return torch.tensor_split(x, world_size, dim=dim)[rank]
+    raise ValueError(f"shard_sequence: layout must be 'contiguous' or 'zigzag', got {layout!r}")
 
 
 def _chunk_lengths(length: int, group, device) -> List[int]:

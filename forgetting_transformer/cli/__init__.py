@@ -6,6 +6,8 @@
     fox eval CHECKPOINT --needle [--mqar]     needle-in-a-haystack grid, associative recall
     torchrun --nproc_per_node N -m forgetting_transformer train ...   data-parallel (DDP)
     torchrun --nproc_per_node N -m forgetting_transformer train --fsdp ...   sharded (FSDP2)
+    torchrun --nproc_per_node N -m forgetting_transformer train --context-parallel P ...
+                                    every sequence split over P ranks
     fox inspect CHECKPOINT          forget-gate heatmaps, attention maps, per-head statistics
     fox generate CHECKPOINT --prompt "def "
     fox demo                        the Forgetting Attention op against the plain formula
@@ -40,6 +42,11 @@ TRAIN_FLAGS = {  # flag -> (config key, type, help)
     "--data-dir": ("data_dir", str, "train on a directory of text files (split by file)"),
     "--tokens": ("tokens", str, "train on pre-tokenized ids: FILE.npy, or raw with --token-dtype"),
     "--token-dtype": ("token_dtype", str, "uint16 | uint32 (raw --tokens files)"),
+    "--context-parallel": ("context_parallel", int,
+                           "under torchrun: split every sequence over this many ranks (data "
+                           "parallel, or FSDP2, over the rest)"),
+    "--context-parallel-layout": ("context_parallel_layout", str,
+                                  "zigzag (balanced causal work; default) | contiguous"),
 }
 
 

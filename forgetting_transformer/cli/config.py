@@ -40,6 +40,8 @@ DEFAULTS: Dict[str, Any] = {
     "token_dtype": None,             # uint16 | uint32, for raw token files
     "fsdp": False,                   # under torchrun: FSDP2 (fully_shard per block) instead of DDP
     "checkpoint_activations": False, # recompute each block's activations in the backward pass
+    "context_parallel": 1,           # under torchrun: ranks every sequence is split over
+    "context_parallel_layout": "zigzag",  # zigzag | contiguous (forgetting_transformer.distributed)
     "tensorboard": True,             # also log to <out_dir>/tensorboard when it is installed
     "log_interval": 10,
     "eval_interval": 100,            # validation loss during training, in steps (0: off)

@@ -21,6 +21,14 @@ state; a block's parameters are all-gathered just before it runs (forward and ba
 after. Batches are split as with DDP, so the update is the single-process one. Checkpoints hold
 the full (gathered) model and optimizer state, in the same layout as single-process and DDP runs:
 any of the three can resume any checkpoint, and eval/generate read it unchanged.
+
+Context parallelism (``--context-parallel P`` under torchrun, P dividing the number of processes):
+ranks k*P .. k*P + P - 1 form a context-parallel group that shares one slice of the batch, and
+every rank of it holds a part of each sequence (``--context-parallel-layout``: zigzag, two chunks
+of 2P a rank so that causal work is balanced, or contiguous); the model runs through
+forgetting_transformer.distributed.set_context_parallel. Data parallelism (DDP or FSDP2) runs over
+all processes as above: each rank's loss is its tokens' share of the global batch's mean, so the
+all-reduced gradients are the single-process ones. Validation runs on whole sequences.
 """
 import contextlib
 import json
@@ -65,7 +73,7 @@ def resolve_device(cfg) -> torch.device:
 class Distributed:
     """torchrun's environment: rank, world size; initializes the process group when WORLD_SIZE > 1."""
 
-    def __init__(self, device: torch.device, fsdp: bool = False):
+    def __init__(self, device: torch.device, fsdp: bool = False, context_parallel: int = 1):
         import torch.distributed as dist
         self.dist = dist
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -80,6 +88,18 @@ class Distributed:
         if self.world > 1:
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.fsdp = fsdp and self.world > 1
+        # Context parallelism: consecutive ranks share a batch slice, each with a sequence part.
+        self.cp, self.cp_group = max(1, int(context_parallel or 1)), None
+        if self.world % self.cp:
+            raise SystemExit(f"--context-parallel {self.cp} does not divide the number of "
+                             f"processes {self.world}")
+        if self.cp > 1:
+            for first in range(0, self.world, self.cp):   # every rank makes every group
+                group = dist.new_group(list(range(first, first + self.cp)))
+                if first <= self.rank < first + self.cp:
+                    self.cp_group = group
+        self.cp_rank = self.rank % self.cp
+        self.batch_shards, self.batch_rank = self.world // self.cp, self.rank // self.cp
 
     @property
     def enabled(self) -> bool:
@@ -432,6 +452,20 @@ def validation_loss(model, corpus, cfg, device, autocast, num_windows: int) -> f
     return total / max(1, count)
 
 
+@contextlib.contextmanager
+def _whole_sequences(model, ddp, layout):
+    """Context parallelism off for a while (validation reads whole sequences on one rank)."""
+    if ddp.cp == 1:
+        yield
+        return
+    from ..distributed import set_context_parallel
+    set_context_parallel(model, layout=None)
+    try:
+        yield
+    finally:
+        set_context_parallel(model, ddp.cp_group, layout=layout)
+
+
 def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet: bool = False,
           stop_at: Optional[int] = None) -> Dict:
     """Runs (or resumes) training; returns a summary dict. ``stop_at`` ends the process-like run
@@ -442,7 +476,11 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     device = resolve_device(cfg)
     autocast = autocast_for(cfg, device)
-    ddp = Distributed(device, fsdp=bool(cfg.get("fsdp")))
+    if cfg.get("context_parallel_layout", "zigzag") not in ("zigzag", "contiguous"):
+        raise SystemExit(f"context_parallel_layout must be zigzag or contiguous, got "
+                         f"{cfg['context_parallel_layout']!r}")
+    ddp = Distributed(device, fsdp=bool(cfg.get("fsdp")),
+                      context_parallel=cfg.get("context_parallel") or 1)
     if cfg.get("fsdp") and not ddp.enabled and not quiet:
         print("--fsdp: one process (no torchrun), nothing to shard", flush=True)
     try:
@@ -496,6 +534,11 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
     # DDP wraps; FSDP2 shards in place (models[a] is then the sharded model) and the optimizers
     # must be made after it, over the sharded parameters.
     wrapped = {a: ddp.wrap(m, device) for a, m in models.items()}
+    layout = cfg.get("context_parallel_layout") or "zigzag"
+    if ddp.cp > 1:
+        from ..distributed import set_context_parallel
+        for m in models.values():
+            set_context_parallel(m, ddp.cp_group, layout=layout)
     opts = {a: make_optimizer(cfg, a, m) for a, m in models.items()}
     start_step, elapsed_before = 0, 0.0
     if ckpt is not None:
@@ -515,6 +558,7 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                        for a in archs}}
     info["world_size"] = ddp.world
     info["fsdp"] = ddp.fsdp
+    info["context_parallel"] = ddp.cp
     if main:
         with open(os.path.join(out_dir, "run_info.json"), "w") as fh:
             json.dump(info, fh, indent=2)
@@ -525,17 +569,25 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
               f"({d['train_tokens'] / 1e6:.1f}M / {d['val_tokens'] / 1e6:.1f}M bytes) from "
               f"{d['root']}; out {out_dir}" +
               (f"; {'FSDP2' if ddp.fsdp else 'data parallel'} over {ddp.world} processes"
-               if ddp.enabled else ""), flush=True)
+               if ddp.enabled else "") +
+              (f", every sequence split over {ddp.cp} of them ({layout})" if ddp.cp > 1 else ""),
+              flush=True)
         for a, m in models.items():
             p = info["models"][a]["params"]
             print(f"  {a}: {p['total'] / 1e6:.2f}M parameters ({p['non_embedding'] / 1e6:.2f}M "
                   f"non-embedding)", flush=True)
 
     B, T, steps = cfg["batch_size"], cfg["seq_len"], cfg["steps"]
-    if B % ddp.world:
-        raise SystemExit(f"batch_size {B} is not a multiple of the world size {ddp.world}")
-    local_B = B // ddp.world                      # this rank's slice of every global batch
-    lo = ddp.rank * local_B
+    if B % ddp.batch_shards:
+        raise SystemExit(f"batch_size {B} is not a multiple of the {ddp.batch_shards} batch "
+                         f"shards (processes / context_parallel)")
+    local_B = B // ddp.batch_shards               # this rank's slice of every global batch
+    lo = ddp.batch_rank * local_B
+    if ddp.cp > 1:
+        from ..distributed import shard_sequence
+        sequence_part = lambda t: shard_sequence(t, ddp.cp_rank, ddp.cp, layout)  # noqa: E731
+    else:
+        sequence_part = lambda t: t  # noqa: E731
     mb = min(cfg["micro_batch_size"] or local_B, local_B)
     if local_B % mb:
         raise SystemExit(f"batch_size per process {local_B} is not a multiple of "
@@ -571,6 +623,7 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
             ids, labels = corpus.train_batch(cfg["seed"], step, B, T)
             n_valid = int((labels != -100).sum())           # over the global batch
             ids, labels = ids[lo:lo + local_B], labels[lo:lo + local_B]
+            ids, labels = sequence_part(ids), sequence_part(labels)
             record = {"step": step + 1, "tokens": (step + 1) * B * T}
             for a in archs:
                 model, opt = models[a], opts[a]
@@ -614,8 +667,10 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                                                                 or step == steps):
                 ev = {"step": step, "eval": True}
                 for a in archs:
-                    ev[a] = {"val_loss": round(validation_loss(models[a], corpus, cfg, device,
-                                                               autocast, cfg["eval_batches"] * B), 5)}
+                    with _whole_sequences(models[a], ddp, layout):
+                        val = validation_loss(models[a], corpus, cfg, device, autocast,
+                                              cfg["eval_batches"] * B)
+                    ev[a] = {"val_loss": round(val, 5)}
                 metrics.write(json.dumps(ev) + "\n")
                 metrics.flush()
                 tb.record(ev, archs)

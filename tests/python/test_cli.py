@@ -2,6 +2,7 @@
 kill-and-resume, evaluation, inspection, generation and plots, on a micro config (seconds)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -489,6 +490,48 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     assert json.load(open(tmp_path / "ddp" / "run_info.json"))["world_size"] == 2
 
 
+@pytest.mark.parametrize("nproc,cp,layout,extra", [(2, 2, "zigzag", []),
+                                                (4, 2, "contiguous", []),
+                                                (4, 2, "zigzag", ["--fsdp"])])
+def test_torchrun_context_parallel_matches_single_process(tmp_path, nproc, cp, layout, extra):
+    """Every sequence split over `cp` CPU processes (gloo), alone or with data parallel (DDP,
+    FSDP2) over the rest: the same losses and weights as one process on the same global batch, and a resumed
+    run ends where an uninterrupted one does."""
+    flags = [*MICRO, "--device", "cpu", "--steps", "4", "--batch-size", "2",
+             "--micro-batch-size", "1", "--log-interval", "1", "--eval-interval", "2",
+             "--checkpoint-interval", "2"]
+    cp_flags = ["--context-parallel", str(cp), "--context-parallel-layout", layout, *extra]
+    r = torchrun_train([*flags, *cp_flags, "--out-dir", str(tmp_path / "cp")], timeout=240,
+                       nproc=nproc)
+    assert f"every sequence split over {cp} of them ({layout})" in r.stdout
+    assert cli.main(["train", *flags, "--out-dir", str(tmp_path / "one")]) == 0
+    cp_losses, one = _losses(tmp_path / "cp"), _losses(tmp_path / "one")
+    assert [s for s, _, _ in cp_losses] == list(range(1, 5))
+    for a, b in zip(cp_losses, one):
+        assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=2e-4) and \
+            a[2] == pytest.approx(b[2], abs=2e-4)
+    val = lambda run: [json.loads(l) for l in open(run / "metrics.jsonl") if '"eval"' in l]  # noqa: E731
+    assert len(val(tmp_path / "cp")) == 2
+    for a, b in zip(val(tmp_path / "cp"), val(tmp_path / "one")):
+        assert a["fox_pro"]["val_loss"] == pytest.approx(b["fox_pro"]["val_loss"], abs=2e-4)
+    ca, cb = state(tmp_path / "cp"), state(tmp_path / "one")
+    assert ca["step"] == cb["step"] == 4
+    for arch in ca["models"]:
+        for k, v in ca["models"][arch]["state_dict"].items():
+            assert torch.allclose(v, cb["models"][arch]["state_dict"][k], atol=1e-4), k
+    info = json.load(open(tmp_path / "cp" / "run_info.json"))
+    assert info["world_size"] == nproc and info["context_parallel"] == cp
+    if nproc == 2:   # resume the context-parallel run from its step-2 checkpoint
+        shutil.rmtree(tmp_path / "cp" / "checkpoints" / "step_0000004")
+        (tmp_path / "cp" / "checkpoints" / "last").write_text("step_0000002")
+        torchrun_train([*flags, *cp_flags, "--out-dir", str(tmp_path / "cp"), "--resume"],
+                       timeout=240, nproc=nproc)
+        cr = state(tmp_path / "cp")
+        for arch in cr["models"]:
+            for k, v in cr["models"][arch]["state_dict"].items():
+                assert torch.allclose(v, ca["models"][arch]["state_dict"][k], atol=1e-5), k
+
+
 @pytest.mark.parametrize("world", [None, "2"])
 def test_console_main_skips_finalization_only_under_torchrun(monkeypatch, world):
     """A torchrun rank leaves through os._exit with main()'s code (gloo's threads must not meet a
@@ -546,3 +589,13 @@ def test_torchrun_two_gpus(tmp_path, mode):
         assert a[1] == pytest.approx(b[1], abs=1e-3) and a[2] == pytest.approx(b[2], abs=1e-3)
     assert many[-1][1] < many[0][1]  # it learns
     assert json.load(open(tmp_path / mode / "run_info.json"))["world_size"] == 2
+
+
+def test_context_parallel_bad_settings(tmp_path):
+    """A layout that does not exist, or more context-parallel ranks than processes: clear exits."""
+    with pytest.raises(SystemExit, match="context_parallel_layout must be"):
+        cli.main(["train", *MICRO, "--steps", "1", "--context-parallel-layout", "ring",
+                  "--out-dir", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="does not divide the number of processes 1"):
+        cli.main(["train", *MICRO, "--steps", "1", "--context-parallel", "2",
+                  "--out-dir", str(tmp_path / "b")])

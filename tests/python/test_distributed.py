@@ -214,44 +214,64 @@ def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, ex
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_model_context_parallel_in_a_group_of_one():
-    """In a process group of one: the context-parallel model equals the plain one (bit for bit
-    with one contiguous chunk; to float32 rounding with zigzag's two pieces), a cache or seq_start is a clear error, a bad layout a ValueError, and layout=None turns it
-    off."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_model_context_parallel_in_a_group_of_one(device):
+    """In a process group of one (gloo; nccl on a GPU, bf16): the context-parallel model equals
+    the plain one (bit for bit with one contiguous chunk; to rounding with zigzag's two pieces),
+    and its gradients too; on CPU also: a cache or seq_start is a clear error, a bad layout a
+    ValueError, and layout=None turns it off."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     code = """
-import socket, torch, torch.distributed as dist
+import socket, sys, torch, torch.distributed as dist
+device = sys.argv[1]
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                        init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 from forgetting_transformer.distributed import set_context_parallel
 from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
-config = ForgettingTransformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+config = ForgettingTransformerConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2,
                                      num_heads=4).preset("fox_pro")
-model = ForgettingTransformerForCausalLM(config)
-ids = torch.randint(0, 50, (2, 12))
-plain = model(ids)
+model = ForgettingTransformerForCausalLM(config).to(device)
+if device == "cuda":
+    model = model.to(torch.bfloat16)
+ids = torch.randint(0, 50, (2, 100), device=device)
+def run():
+    model.zero_grad()
+    out = model(ids)
+    out.float().square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+plain, plain_grads = run()
 set_context_parallel(model)
-assert torch.equal(model(ids), plain)
+out, grads = run()
+assert torch.equal(out, plain)
+assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 set_context_parallel(model, layout="zigzag")   # two pieces: the queries in two calls
-torch.testing.assert_close(model(ids), plain, rtol=1e-5, atol=1e-5)
-for kwargs in ({"cache": model.new_cache()}, {"seq_start": torch.tensor([0, 2])}):
+out, grads = run()
+tol = 1e-5 if device == "cpu" else 2e-2
+torch.testing.assert_close(out, plain, rtol=tol, atol=tol)
+for a, b in zip(grads, plain_grads):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+if device == "cpu":
+    for kwargs in ({"cache": model.new_cache()}, {"seq_start": torch.tensor([0, 2])}):
+        try:
+            model(ids, **kwargs)
+        except RuntimeError as e:
+            assert "neither a cache nor seq_start" in str(e), e
+        else:
+            raise AssertionError(kwargs)
     try:
-        model(ids, **kwargs)
-    except RuntimeError as e:
-        assert "neither a cache nor seq_start" in str(e), e
+        set_context_parallel(model, layout="ring")
+    except ValueError as e:
+        assert "layout must be" in str(e), e
     else:
-        raise AssertionError(kwargs)
-try:
-    set_context_parallel(model, layout="ring")
-except ValueError as e:
-    assert "layout must be" in str(e), e
-else:
-    raise AssertionError("layout='ring'")
+        raise AssertionError("layout='ring'")
 set_context_parallel(model, layout=None)
-model(ids, cache=model.new_cache())
+model(ids[:, :10], cache=model.new_cache())
 dist.destroy_process_group()
 print("ok")
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True,
+                       env=env, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
