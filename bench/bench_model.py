@@ -6,9 +6,11 @@ events after warm-up, median.
 
     python3 bench/bench_model.py [--seqlen 4096 --batch 4 --layers 12]
     python3 bench/bench_model.py --checkpoint-activations   # the cost of per-block checkpointing
+    python3 bench/bench_model.py --memory    # peak and saved tensors, memory savings off vs on
 """
 import argparse
 import math
+import os
 import statistics
 
 import torch
@@ -148,42 +150,66 @@ def checkpointing_table(args):
         torch.cuda.empty_cache()
 
 
+# The knobs of the training step's memory savings (GatedMLP's product recomputed in the
+# backward, the LM head and loss in row chunks): all set turns both off; unset, both are on.
+SAVINGS_OFF = {"FOX_MLP_RECOMPUTE": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
+
+
+def set_savings(on):
+    for name, value in SAVINGS_OFF.items():
+        if on:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def memory_census(args, top=16):
     """Where a training step's memory goes: the peak, the parameters and gradients, and the
-    tensors saved for the backward pass (storages counted once) by dtype and shape."""
+    tensors saved for the backward pass (storages counted once) by dtype and shape; with the
+    memory savings off and then on (one process; the knobs are read at each call), and the step
+    time of each."""
     B, T = args.batch, args.seqlen
     for arch in ("fox_pro", "transformer_pro"):
         _, model = model_125m(arch, args)
         ids = torch.randint(0, args.vocab, (B, T), device="cuda")
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        storages, by_kind = set(), {}
+        fox_training_step(model, ids, ids)()  # warm-up (cuBLAS workspaces), outside the counts
+        for on in (False, True):
+            set_savings(on)
+            storages, by_kind = set(), {}
 
-        def pack(t):
-            key = t.untyped_storage().data_ptr()
-            if key not in storages and t.device.type == "cuda":
-                storages.add(key)
-                kind = (str(t.dtype).replace("torch.", ""), tuple(t.shape))
-                by_kind[kind] = by_kind.get(kind, 0) + t.untyped_storage().nbytes()
-            return t
+            def pack(t):
+                key = t.untyped_storage().data_ptr()
+                if key not in storages and t.device.type == "cuda":
+                    storages.add(key)
+                    kind = (str(t.dtype).replace("torch.", ""), tuple(t.shape))
+                    by_kind[kind] = by_kind.get(kind, 0) + t.untyped_storage().nbytes()
+                return t
 
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids).float().mean()
-        after_forward = torch.cuda.memory_allocated() - base
-        loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        saved = sum(by_kind.values())
-        print(f"\n## {arch}, B={B}, T={T}: peak {peak:.2f} GiB; parameters {params / 2**30:.2f} "
-              f"GiB (+ as much for gradients); held after forward {after_forward / 2**30:.2f} GiB, "
-              f"of which saved for backward {saved / 2**30:.2f} GiB")
-        print("| GiB | dtype | shape |\n|---|---|---|")
-        for (dtype, shape), n in sorted(by_kind.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"| {n / 2**30:.3f} | {dtype} | {shape} |")
-        del model, loss
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(ids, labels=ids).float().mean()
+            after_forward = torch.cuda.memory_allocated() - base
+            loss.backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            saved = sum(by_kind.values())
+            del loss
+            ms = time_step(fox_training_step(model, ids, ids))
+            print(f"\n## {arch}, B={B}, T={T}, memory savings {'on' if on else 'off'}: peak "
+                  f"{peak:.2f} GiB; parameters {params / 2**30:.2f} GiB (+ as much for "
+                  f"gradients); held after forward {after_forward / 2**30:.2f} GiB, of which saved "
+                  f"for backward {saved / 2**30:.2f} GiB; step {ms:.1f} ms")
+            print("| GiB | dtype | shape |\n|---|---|---|")
+            for (dtype, shape), n in sorted(by_kind.items(), key=lambda kv: -kv[1])[:top]:
+                print(f"| {n / 2**30:.3f} | {dtype} | {shape} |")
+        set_savings(True)
+        del model
         torch.cuda.empty_cache()
 
 
@@ -199,7 +225,8 @@ def main():
                     help="only the table of fox_torch with and without per-block activation "
                          "checkpointing (tokens/s, peak memory)")
     ap.add_argument("--memory", action="store_true",
-                    help="only the memory census of a training step (peak, saved tensors)")
+                    help="only the memory census of a training step (peak, saved tensors), with "
+                         "the memory savings off and on, and the step time of each")
     args = ap.parse_args()
     if args.checkpoint_activations:
         return checkpointing_table(args)

@@ -614,7 +614,7 @@ class ForgettingTransformerForCausalLM(ForgettingTransformerPreTrainedModel, Gen
                 h, hidden_states = self._run_blocks(self.model._fox, inputs_embeds, fox_cache,
                                                     seq_start, bool(output_hidden_states))
             if labels is not None:
-                loss = fox_nn.functional.cross_entropy(fox.logits(h), labels.to(device))
+                loss = fox.loss(h, labels.to(device))  # as forward's: the logits not kept
             else:
                 logits = fox.logits(h[:, -logits_to_keep:] if logits_to_keep else h)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache,

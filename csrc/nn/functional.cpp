@@ -1,5 +1,6 @@
 #include <fox/nn/functional.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -196,6 +197,119 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
 
 #endif  // FOX_WITH_CUDA
 
+// What autocast does to F.linear's tensor arguments: the autocast dtype's (cached) copy.
+torch::Tensor autocast_arg(const torch::Tensor& t) {
+  if (!t.defined()) return t;
+  const auto device = t.device().type();
+  if (!at::autocast::is_autocast_enabled(device)) return t;
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), t, device);
+}
+
+// F.linear on arguments already cast as autocast would: the functions below recompute in their
+// backward, where autocast may differ from the forward's.
+torch::Tensor plain_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                           const torch::Tensor& bias = {}) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return torch::nn::functional::linear(x, weight, bias);
+}
+
+// linear(gated(gate, value), weight, bias) keeping gate, value and weight, not the product: the
+// backward builds the composition's graph again over them and runs its backward, so that the
+// gradients are bitwise the composition's.
+struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunction> {
+  // weight and bias arrive cast as autocast casts them; the product is cast here the same way.
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& value, const torch::Tensor& weight,
+                               const std::optional<torch::Tensor>& bias, const std::string& act) {
+    auto h = autocast_arg(functional::gated(gate, value, act));
+    ctx->save_for_backward({gate, value, weight, bias.value_or(torch::Tensor())});
+    ctx->saved_data["act"] = act;
+    ctx->saved_data["dtype"] = int64_t(h.scalar_type());
+    return plain_linear(h, weight, bias.value_or(torch::Tensor()));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    torch::AutoGradMode grad_mode(true);
+    variable_list leaves(4), inputs;
+    for (size_t i = 0; i < 4; ++i) {
+      if (!saved[i].defined()) continue;
+      leaves[i] = saved[i].detach();
+      if (ctx->needs_input_grad(i)) inputs.push_back(leaves[i].requires_grad_(true));
+    }
+    auto h = functional::gated(leaves[0], leaves[1], ctx->saved_data["act"].toStringRef());
+    h = h.to(torch::ScalarType(ctx->saved_data["dtype"].toInt()));
+    auto y = plain_linear(h, leaves[2], leaves[3]);
+    auto found = torch::autograd::grad({y}, inputs, {grads[0]});
+    variable_list out(5);
+    for (size_t i = 0, k = 0; i < 4; ++i) {
+      if (leaves[i].defined() && ctx->needs_input_grad(i)) out[i] = found[k++];
+    }
+    return out;
+  }
+};
+
+// Per-token cross entropy of hidden (N, C) @ weight (V, C)^T against labels (N,), the logits made
+// chunk_rows rows at a time in the forward and again in the backward, never kept. The backward
+// takes d logits from cross_entropy's own backward (float32 softmax math, ignored labels 0).
+struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_rows) {
+    std::vector<torch::Tensor> losses;
+    for (int64_t start = 0; start < hidden.size(0); start += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, hidden.size(0) - start);
+      losses.push_back(cross_entropy(plain_linear(hidden.narrow(0, start, rows), weight),
+                                     labels.narrow(0, start, rows), ignore_index));
+    }
+    auto loss = torch::cat(losses);
+    ctx->save_for_backward({hidden, weight, labels});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["chunk_rows"] = chunk_rows;
+    ctx->saved_data["loss_dtype"] = int64_t(loss.scalar_type());
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // Detached: nothing here joins the outer graph (also under create_graph).
+    auto saved = ctx->get_saved_variables();
+    const auto hidden = saved[0].detach(), weight = saved[1].detach(), labels = saved[2];
+    const int64_t chunk_rows = ctx->saved_data["chunk_rows"].toInt();
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    auto dloss = grads[0].to(torch::ScalarType(ctx->saved_data["loss_dtype"].toInt()));
+    torch::Tensor dhidden, dweight;
+    if (ctx->needs_input_grad(0)) dhidden = torch::empty(hidden.sizes(), hidden.options());
+    // The weight's gradient sums over all chunks: in float32 for a half-precision weight (one
+    // rounding at the end, as the single GEMM of the composition).
+    const bool half = weight.scalar_type() == torch::kFloat16 ||
+                      weight.scalar_type() == torch::kBFloat16;
+    if (ctx->needs_input_grad(1))
+      dweight = torch::zeros(weight.sizes(), weight.options().dtype(half ? torch::kFloat32
+                                                                       : weight.scalar_type()));
+    for (int64_t start = 0; start < hidden.size(0); start += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, hidden.size(0) - start);
+      auto h = hidden.narrow(0, start, rows);
+      auto logits = plain_linear(h, weight).requires_grad_(true);
+      torch::Tensor dlogits;
+      {
+        torch::AutoGradMode grad_mode(true);
+        auto loss = cross_entropy(logits, labels.narrow(0, start, rows), ignore_index);
+        dlogits = torch::autograd::grad({loss}, {logits}, {dloss.narrow(0, start, rows)})[0];
+      }
+      if (dhidden.defined()) {
+        auto out = dhidden.narrow(0, start, rows);
+        torch::mm_out(out, dlogits, weight);
+      }
+      if (dweight.defined()) {
+        if (half) dweight.add_(dlogits.t().mm(h));
+        else dweight.addmm_(dlogits.t(), h);
+      }
+    }
+    if (dweight.defined()) dweight = dweight.to(weight.scalar_type());
+    return {dhidden, dweight, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int64_t group_size,
@@ -354,6 +468,45 @@ torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const
   }
 #endif
   return (silu ? torch::nn::functional::silu(gate) : torch::sigmoid(gate)) * value;
+}
+
+torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value,
+                           const std::string& act, const torch::Tensor& weight,
+                           const torch::Tensor& bias, const torch::Tensor& residual) {
+  if (without_autograd({gate, value, weight, bias})) {
+    return linear(gated(gate, value, act), weight, bias, residual);
+  }
+  is_silu(act);  // checks act before the autograd function takes it
+  auto y = GatedLinearFunction::apply(
+      gate, value, autocast_arg(weight),
+      bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
+  return residual.defined() ? y + residual : y;
+}
+
+torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& labels, int64_t ignore_index,
+                                   int64_t chunk_rows) {
+  TORCH_CHECK(chunk_rows >= 0, "linear_cross_entropy: chunk_rows must be >= 0, got ", chunk_rows);
+  if (without_autograd({hidden, weight}) || hidden.dim() < 1 || hidden.numel() == 0 ||
+      weight.dim() != 2) {
+    return cross_entropy(functional::linear(hidden, weight), labels, ignore_index);
+  }
+  TORCH_CHECK(hidden.dim() == labels.dim() + 1 &&
+                  hidden.sizes().slice(0, labels.dim()) == labels.sizes(),
+              "linear_cross_entropy: hidden (..., channels) ", hidden.sizes(),
+              " must match labels (...) ", labels.sizes());
+  TORCH_CHECK(!at::isFloatingType(labels.scalar_type()),
+              "linear_cross_entropy: labels must be integer class indices, got ",
+              labels.scalar_type());
+  auto h = rows_view(autocast_arg(hidden));
+  auto w = autocast_arg(weight);
+  if (chunk_rows == 0) {
+    constexpr int64_t kChunkBytes = int64_t(256) << 20;
+    chunk_rows = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, w.size(0) * w.element_size()));
+  }
+  auto flat = labels.reshape({-1}).to(h.device(), torch::kLong).contiguous();
+  return LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows)
+      .view(labels.sizes());
 }
 
 torch::Tensor argmax(const torch::Tensor& x) {

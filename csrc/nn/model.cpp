@@ -1,5 +1,8 @@
 #include <fox/nn/model.h>
 
+#include <cstdlib>
+#include <string>
+
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
@@ -242,11 +245,28 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
     const torch::Tensor& input_ids, const std::optional<torch::Tensor>& labels, KVCache* cache,
     const std::optional<torch::Tensor>& seq_start) {
-  auto logits_ = logits(model->forward(input_ids, cache, seq_start));
-  if (!labels.has_value() || !labels->defined()) return logits_;
+  auto hidden = model->forward(input_ids, cache, seq_start);
+  if (!labels.has_value() || !labels->defined()) return logits(hidden);
   TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",
               labels->sizes(), " must have the shape of input_ids ", input_ids.sizes());
-  return functional::cross_entropy(logits_, labels->to(logits_.device(), torch::kLong), -100);
+  return loss(hidden, *labels);
+}
+
+torch::Tensor ForgettingTransformerForCausalLMImpl::loss(const torch::Tensor& hidden_states,
+                                                         const torch::Tensor& labels) {
+  const auto& weight = lm_head ? lm_head->weight : model->embeddings->weight;
+  auto targets = labels.to(hidden_states.device(), torch::kLong);
+  // FOX_LOSS_CHUNK_ROWS (read at each call): 0 keeps the whole logits for the backward (for
+  // comparisons), N > 0 makes them N rows at a time; unset, chunks of about 256 MiB.
+  int64_t chunk_rows = 0;
+  if (const char* v = std::getenv("FOX_LOSS_CHUNK_ROWS"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    chunk_rows = std::strtoll(v, &end, 10);
+    TORCH_CHECK(*end == '\0' && chunk_rows >= 0, "FOX_LOSS_CHUNK_ROWS must be a count >= 0, got '",
+                v, "'");
+    if (chunk_rows == 0) return functional::cross_entropy(logits(hidden_states), targets, -100);
+  }
+  return functional::linear_cross_entropy(hidden_states, weight, targets, -100, chunk_rows);
 }
 
 }  // namespace fox::nn

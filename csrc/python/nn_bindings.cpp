@@ -221,6 +221,8 @@ void init_nn_bindings(py::module_& parent) {
           py::arg("input_ids"), py::arg("labels") = py::none(), py::arg("cache") = py::none(),
           py::arg("seq_start") = py::none())
       .def("logits", &ForgettingTransformerForCausalLMImpl::logits, py::arg("hidden_states"))
+      .def("loss", &ForgettingTransformerForCausalLMImpl::loss, py::arg("hidden_states"),
+           py::arg("labels"))
       .def("reset_parameters", &ForgettingTransformerForCausalLMImpl::reset_parameters)
       .def("new_cache",
            [](ForgettingTransformerForCausalLMImpl& s) {
@@ -380,6 +382,19 @@ void init_nn_bindings(py::module_& parent) {
       },
       py::arg("x"), py::arg("weight"), py::arg("bias") = std::nullopt,
       py::arg("residual") = std::nullopt);
+  f.def(
+      "gated_linear",
+      [](const torch::Tensor& gate, const torch::Tensor& value, const std::string& act,
+         const torch::Tensor& weight, const std::optional<torch::Tensor>& bias,
+         const std::optional<torch::Tensor>& residual) {
+        return functional::gated_linear(gate, value, act, weight, bias.value_or(torch::Tensor()),
+                                        residual.value_or(torch::Tensor()));
+      },
+      py::arg("gate"), py::arg("value"), py::arg("act"), py::arg("weight"),
+      py::arg("bias") = std::nullopt, py::arg("residual") = std::nullopt);
+  f.def("linear_cross_entropy", &functional::linear_cross_entropy, py::arg("hidden"),
+        py::arg("weight"), py::arg("labels"), py::arg("ignore_index") = -100,
+        py::arg("chunk_rows") = 0);
   f.def("argmax", &functional::argmax, py::arg("x"));
   f.def("cross_entropy", &functional::cross_entropy, py::arg("logits"), py::arg("labels"),
         py::arg("ignore_index") = -100);

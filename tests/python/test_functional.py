@@ -1,7 +1,8 @@
 """fox::nn::functional, the fused functions the modules are built from (RMSNorm, KV-shift mix,
-gates, cross entropy, and the inference paths: few-row linear, residual add + norm): forward and backward against float64 formulas with the 2x
-rule, on inputs that are slices of a wider tensor (as the model passes them), on CPU (the ATen
-formulas) and on CUDA (the fused kernels)."""
+gates, cross entropy, the MLP product and the LM loss that recompute in the backward, and the
+inference paths: few-row linear, residual add + norm): forward and backward against float64
+formulas with the 2x rule, on inputs that are slices of a wider tensor (as the model passes
+them), on CPU (the ATen formulas) and on CUDA (the fused kernels)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,6 +234,81 @@ def test_cross_entropy(device, dtype):
     problems = rule_violations(["loss", "dlogits"], [got] + got_grads, [ref_out] + ref_grads,
                                [naive_out] + naive_grads, dtype)
     assert not problems, problems
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, "autocast_bf16"])
+@pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, True)])
+def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual):
+    """gated_linear keeps gate, value and weight, not the product, and computes the product again
+    in the backward: the output and every gradient bitwise those of linear(gated(...), ...),
+    under bf16 autocast too (float32 weight, residual and gate/value)."""
+    autocast = dtype == "autocast_bf16"
+    dt = torch.float32 if autocast else dtype
+    N, C, O = 37, 96, 40
+    gu = torch.randn(N, 2 * C, device=device).to(dt)
+    w = (torch.randn(O, C, device=device) / C**0.5).to(dt)
+    b = torch.randn(O, device=device).to(dt) if with_bias else None
+    r = torch.randn(N, O, device=device).to(dt) if with_residual else None
+    inputs = [t for t in (gu, w, b, r) if t is not None]
+
+    def unpack(xs):
+        xs = list(xs)
+        gu, w = xs.pop(0), xs.pop(0)
+        return gu, w, xs.pop(0) if with_bias else None, xs.pop(0) if with_residual else None
+
+    def composed(*xs):
+        gu, w, b, r = unpack(xs)
+        return fused.linear(fused.gated(gu[:, :C], gu[:, C:], "swish"), w, b, r)
+
+    def recomputed(*xs):
+        gu, w, b, r = unpack(xs)
+        return fused.gated_linear(gu[:, :C], gu[:, C:], "swish", w, b, r)
+
+    g = torch.randn(N, O, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out, grads = forward_backward(composed, inputs, g)
+        out_r, grads_r = forward_backward(recomputed, inputs, g)
+        with torch.no_grad():
+            assert torch.equal(fused.gated_linear(gu[:, :C], gu[:, C:], "swish", w, b, r),
+                               composed(*inputs))
+    assert torch.equal(out, out_r)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+    with pytest.raises(RuntimeError, match="act"):
+        fused.gated_linear(gu[:, :C].requires_grad_(), gu[:, C:], "relu", w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_rows", [0, 7, 200])  # 0: ~256 MiB chunks (one here)
+def test_linear_cross_entropy(device, dtype, chunk_rows):
+    """The LM head and loss in row chunks (123 rows: 7 gives 18 chunks, the last of 4), the logits
+    made again in the backward: loss, d hidden and d weight by the 2x rule against float64, the
+    whole-logits composition in dtype as the naive result; ignored labels give 0."""
+    B, T, C, V = 3, 41, 64, 1000
+    hidden = torch.randn(B, T, C, device=device).to(dtype)
+    weight = (torch.randn(V, C, device=device) * 3 / C**0.5).to(dtype)
+    labels = torch.randint(0, V, (B, T), device=device)
+    labels[0, :5] = -100
+    labels[2, -1] = -100
+    g = torch.rand(B, T, device=device)
+
+    def whole(h, w):
+        return fused.cross_entropy(fused.linear(h, w), labels)
+
+    got, got_grads = forward_backward(
+        lambda h, w: fused.linear_cross_entropy(h, w, labels, chunk_rows=chunk_rows),
+        [hidden, weight], g)
+    assert got.dtype == torch.float32 and [x.dtype for x in got_grads] == [dtype, dtype]
+    assert (got[labels == -100] == 0).all()
+    ref, ref_grads = forward_backward(whole, [hidden.double(), weight.double()], g.double())
+    naive, naive_grads = forward_backward(whole, [hidden, weight], g)
+    problems = rule_violations(["loss", "dhidden", "dweight"], [got] + got_grads,
+                               [ref] + ref_grads, [naive] + naive_grads, dtype)
+    assert not problems, problems
+    with torch.no_grad():  # without autograd: the composition
+        assert torch.equal(fused.linear_cross_entropy(hidden, weight, labels, chunk_rows=7),
+                           whole(hidden, weight))
+    with pytest.raises(RuntimeError, match="labels"):
+        fused.linear_cross_entropy(hidden.requires_grad_(), weight, labels[:, :-1])
 
 
 def test_bad_arguments_name_the_argument():

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.reference import causal_lm as ref_lm
+from reference import rule_violations
 
 ARCHS = ["fox_llama", "fox_pro", "transformer_llama", "transformer_pro"]
 
@@ -283,3 +284,119 @@ def test_setattr_swaps_the_cpp_parameter(arch):
         q.weight = torch.nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(KeyError, match="fixed"):
         q.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+
+
+# ---- the training step's memory savings ------------------------------------------------------------
+
+SAVINGS_OFF = {"FOX_MLP_RECOMPUTE": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
+
+
+def savings_step(model, ids, labels, env, monkeypatch, autocast=None):
+    """Loss, every parameter's gradient and the bytes saved for backward of one training step
+    with the savings' knobs set as in env (unset ones at their default: on)."""
+    for name in SAVINGS_OFF:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model.zero_grad()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
+            loss = model(ids, labels=labels)
+    # Per-token weights, so that each row's gradient differs.
+    weights = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view(loss.shape)
+    (loss * weights).sum().backward()
+    return (loss.detach().double(), {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            sum(saved))
+
+
+def savings_model(tied, device, dtype):
+    c = tiny("fox_pro", tie_word_embeddings=tied)
+    return randomized(fnn.ForgettingTransformerForCausalLM(c)).to(device, dtype), c
+
+
+def savings_batch(device):
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 53, (2, 24), generator=g), torch.randint(0, 53, (2, 24), generator=g)
+    labels[0, :5] = -100
+    labels[1, -3:] = -100
+    return ids.to(device), labels.to(device)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
+def test_mlp_recompute_same_loss_and_gradients(device, dtype, tied, monkeypatch):
+    """GatedMLP without the product act(g) * u kept for the backward: bitwise the same loss and
+    gradients, and at least the product's bytes (rows x intermediate per layer) less kept."""
+    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
+    model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
+    ids, labels = savings_batch(device)
+    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_MLP_RECOMPUTE": "0"}
+    loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
+    loss_r, grads_r, kept_r = savings_step(model, ids, labels, {"FOX_LOSS_CHUNK_ROWS": "0"},
+                                           monkeypatch, autocast)
+    assert torch.equal(loss, loss_r)
+    for name in grads:
+        assert torch.equal(grads[name], grads_r[name]), name
+    product = c.num_hidden_layers * ids.numel() * c.intermediate_size
+    product *= 2 if autocast else torch.empty((), dtype=dtype).element_size()
+    assert kept_r <= kept - product, (kept_r, kept, product)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
+def test_chunked_loss_matches_whole_logits(device, dtype, tied, monkeypatch):
+    """The LM head and loss in row chunks (7 rows: 48 rows in 7 chunks, the last of 6), the
+    logits made again in the backward: float64 agrees to 1e-12 with the whole-logits path; float32
+    and bf16 autocast keep the 2x rule against the float64 model (the whole-logits path in the
+    same dtype as the naive result). The logits are no longer kept for the backward."""
+    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
+    model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
+    ids, labels = savings_batch(device)
+    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_MLP_RECOMPUTE": "0"}
+    chunked = {"FOX_LOSS_CHUNK_ROWS": "7", "FOX_MLP_RECOMPUTE": "0"}
+    loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
+    loss_c, grads_c, kept_c = savings_step(model, ids, labels, chunked, monkeypatch, autocast)
+    assert (loss_c[labels == -100] == 0).all()
+    logits_bytes = ids.numel() * c.vocab_size * (
+        2 if autocast else torch.empty((), dtype=dtype).element_size())
+    assert kept_c <= kept - logits_bytes, (kept_c, kept, logits_bytes)
+    names = list(grads)
+    if dtype == torch.float64:
+        torch.testing.assert_close(loss_c, loss, rtol=0, atol=1e-12)
+        for name in names:
+            torch.testing.assert_close(grads_c[name], grads[name], rtol=0, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        return
+    model.double()
+    ref_loss, ref_grads, _ = savings_step(model, ids, labels, off, monkeypatch)
+    got = [loss_c] + [grads_c[n] for n in names]
+    naive = [loss] + [grads[n] for n in names]
+    ref = [ref_loss] + [ref_grads[n] for n in names]
+    problems = rule_violations(["loss"] + names, got, ref, naive,
+                               torch.bfloat16 if autocast else dtype)
+    assert not problems, problems
+
+
+def test_memory_savings_on_by_default(monkeypatch):
+    """Unset knobs: both savings on (less kept than with both off); any chunk size gives the same
+    loss in float64, and without autograd the loss is the whole-logits one, bitwise."""
+    model, _ = savings_model(False, "cpu", torch.float64)
+    ids, labels = savings_batch("cpu")
+    loss, _, kept = savings_step(model, ids, labels, {}, monkeypatch)
+    loss_off, _, kept_off = savings_step(model, ids, labels, SAVINGS_OFF, monkeypatch)
+    assert kept < kept_off
+    torch.testing.assert_close(loss, loss_off, rtol=0, atol=1e-12)
+    for rows in ("1", "47", "48", "1000"):
+        monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", rows)
+        torch.testing.assert_close(model(ids, labels=labels).detach().double(), loss, rtol=0,
+                                   atol=1e-12)
+    with torch.no_grad():
+        monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", "5")
+        chunked = model(ids, labels=labels)
+        monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", "0")
+        assert torch.equal(chunked, model(ids, labels=labels))
+    monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", "x")
+    with pytest.raises(RuntimeError, match="FOX_LOSS_CHUNK_ROWS"):
+        model(ids, labels=labels)

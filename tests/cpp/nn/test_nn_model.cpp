@@ -1,5 +1,6 @@
 // fox::nn model: presets, authors' parameter names, losses, gradients, save/load.
 #include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
@@ -95,6 +96,45 @@ TEST_CASE("Causal LM: logits, per-token loss and gradients to every parameter", 
         INFO(p.key());
         REQUIRE(p.value().grad().defined());
         CHECK(p.value().grad().abs().sum().item<double>() > 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("Memory savings of a training step: the same loss and gradients", "[nn][model]") {
+  // The knobs are read at each call: off, the MLP product recomputed, the loss in chunks of 5 rows
+  // (22 rows: the last chunk of 2).
+  auto step = [](ForgettingTransformerForCausalLM& lm, const torch::Tensor& ids,
+                 const torch::Tensor& labels, const char* recompute, const char* chunk_rows) {
+    setenv("FOX_MLP_RECOMPUTE", recompute, 1);
+    setenv("FOX_LOSS_CHUNK_ROWS", chunk_rows, 1);
+    lm->zero_grad();
+    auto loss = lm(ids, labels);
+    (loss * torch::linspace(0.5, 1.5, loss.numel(), loss.options()).view(loss.sizes())).sum().backward();
+    std::vector<torch::Tensor> out{loss.detach()};
+    for (auto& p : lm->parameters()) out.push_back(p.grad().clone());
+    unsetenv("FOX_MLP_RECOMPUTE");
+    unsetenv("FOX_LOSS_CHUNK_ROWS");
+    return out;
+  };
+  for (bool tied : {false, true}) {
+    SECTION(tied ? "tied" : "lm_head") {
+      torch::manual_seed(9);
+      auto cfg = fox_test::tiny_config("fox_pro");
+      cfg.tie_word_embeddings(tied);
+      ForgettingTransformerForCausalLM lm(cfg);
+      lm->to(torch::kFloat64);
+      auto ids = torch::randint(0, 61, {2, 11});
+      auto labels = torch::randint(0, 61, {2, 11});
+      labels[0][3] = -100;
+      labels[1][10] = -100;
+      auto off = step(lm, ids, labels, "0", "0");
+      auto recomputed = step(lm, ids, labels, "1", "0");
+      auto chunked = step(lm, ids, labels, "0", "5");
+      for (size_t i = 0; i < off.size(); ++i) {
+        INFO(i);
+        CHECK(torch::equal(off[i], recomputed[i]));
+        CHECK(close(off[i], chunked[i], 1e-12));
       }
     }
   }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <torch/types.h>
@@ -46,6 +47,24 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 
 /// act(gate) * value with act "swish" (silu) or "sigmoid": SwiGLU, and the attention output gate.
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act);
+
+/// linear(gated(gate, value, act), weight, bias) (+ residual): a gated MLP's product and down
+/// projection. Under autograd only gate, value and weight (and bias) are kept for the backward,
+/// which computes gated(gate, value) again: the product, the MLP's width per token, is never kept.
+/// Forward and gradients are bitwise those of the composition (autocast included); without
+/// autograd it is the composition (the few-row kernels of linear).
+torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value,
+                           const std::string& act, const torch::Tensor& weight,
+                           const torch::Tensor& bias = {}, const torch::Tensor& residual = {});
+
+/// cross_entropy(linear(hidden, weight), labels, ignore_index): the per-token loss of a language
+/// model head. Under autograd the logits are made `chunk_rows` rows at a time (0: as many as fit
+/// in about 256 MiB) and never kept: the backward makes each chunk's logits again. The loss
+/// matches the composition up to the rounding of GEMMs over fewer rows; without autograd it is
+/// the composition.
+torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& labels, int64_t ignore_index = -100,
+                                   int64_t chunk_rows = 0);
 
 /// argmax(x, -1) as int64 (the first index on ties, NaN counting as the largest, as torch.argmax):
 /// a greedy decoding step's token. On CUDA one kernel per call (torch's reduction takes ~16 us for

@@ -176,6 +176,11 @@ class ForgettingTransformerForCausalLMImpl
                         const std::optional<torch::Tensor>& seq_start = std::nullopt);
   /// logits of hidden states (B, T, hidden).
   torch::Tensor logits(const torch::Tensor& hidden_states);
+  /// The per-token loss (B, T) of hidden states (B, T, hidden) against labels (B, T), as forward
+  /// with labels: under autograd through functional::linear_cross_entropy, whose backward makes
+  /// the logits again chunk by chunk instead of keeping them. FOX_LOSS_CHUNK_ROWS (read at each
+  /// call): 0 keeps the whole logits instead (comparisons), N > 0 takes N rows per chunk.
+  torch::Tensor loss(const torch::Tensor& hidden_states, const torch::Tensor& labels);
   /// A fresh, empty cache for this model.
   KVCache new_cache() const { return KVCache(config.num_hidden_layers()); }
   /// A static cache (see cache.h) for `batch` rows of up to `max_length` tokens; K and V in
