@@ -152,7 +152,7 @@ def checkpointing_table(args):
 
 # The knobs of the training step's memory savings (GatedMLP's product recomputed in the
 # backward, the LM head and loss in row chunks): all set turns both off; unset, both are on.
-SAVINGS_OFF = {"FOX_MLP_RECOMPUTE": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
+SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
 
 
 def set_savings(on):

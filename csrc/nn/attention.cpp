@@ -368,7 +368,10 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
                    : fox::forgetting_attention(q, k, v, log_fgate, aopts);  // (B, T, H, D)
   out = out.reshape({B, T, H * D});
   if (output_norm) out = output_norm(out);
-  if (ogate_proj) out = functional::gated(p.ogate_logits, out, o.ogate_act());
+  // The gated output is not kept for the backward (gated_linear computes it again there).
+  if (ogate_proj)
+    return functional::gated_linear(p.ogate_logits, out, o.ogate_act(), o_proj->weight,
+                                    o_proj->bias);
   return functional::linear(out, o_proj->weight, o_proj->bias);
 }
 

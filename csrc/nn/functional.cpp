@@ -473,7 +473,10 @@ torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const
 torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value,
                            const std::string& act, const torch::Tensor& weight,
                            const torch::Tensor& bias, const torch::Tensor& residual) {
-  if (without_autograd({gate, value, weight, bias})) {
+  // FOX_RECOMPUTE_GATED=0 (read at each call, for comparisons) keeps the product.
+  const char* recompute = std::getenv("FOX_RECOMPUTE_GATED");
+  if (without_autograd({gate, value, weight, bias}) ||
+      (recompute != nullptr && std::string(recompute) == "0")) {
     return linear(gated(gate, value, act), weight, bias, residual);
   }
   is_silu(act);  // checks act before the autograd function takes it

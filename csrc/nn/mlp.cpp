@@ -1,8 +1,5 @@
 #include <fox/nn/mlp.h>
 
-#include <cstdlib>
-#include <string>
-
 #include <torch/nn/init.h>
 
 #include <fox/nn/functional.h>
@@ -53,12 +50,6 @@ torch::Tensor GatedMLPImpl::forward(const torch::Tensor& x) {
 torch::Tensor GatedMLPImpl::forward_with_residual(const torch::Tensor& x,
                                                   const torch::Tensor& residual) {
   auto chunks = functional::linear(x, gate_proj->weight, gate_proj->bias).chunk(2, -1);
-  // FOX_MLP_RECOMPUTE=0 (read at each call, for comparisons): keep the product for the backward.
-  const char* recompute = std::getenv("FOX_MLP_RECOMPUTE");
-  if (recompute != nullptr && std::string(recompute) == "0") {
-    return functional::linear(functional::gated(chunks[0], chunks[1], options.hidden_act()),
-                              down_proj->weight, down_proj->bias, residual);
-  }
   return functional::gated_linear(chunks[0], chunks[1], options.hidden_act(), down_proj->weight,
                                   down_proj->bias, residual);
 }

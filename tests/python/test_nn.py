@@ -288,7 +288,7 @@ def test_setattr_swaps_the_cpp_parameter(arch):
 
 # ---- the training step's memory savings ------------------------------------------------------------
 
-SAVINGS_OFF = {"FOX_MLP_RECOMPUTE": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
+SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
 
 
 def savings_step(model, ids, labels, env, monkeypatch, autocast=None):
@@ -326,20 +326,22 @@ def savings_batch(device):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
-def test_mlp_recompute_same_loss_and_gradients(device, dtype, tied, monkeypatch):
-    """GatedMLP without the product act(g) * u kept for the backward: bitwise the same loss and
-    gradients, and at least the product's bytes (rows x intermediate per layer) less kept."""
+def test_gated_recompute_same_loss_and_gradients(device, dtype, tied, monkeypatch):
+    """GatedMLP without the product act(g) * u kept for the backward, the attention layer without
+    its gated output: bitwise the same loss and gradients, and at least the products' bytes (rows
+    x (intermediate + hidden) per layer) less kept."""
     autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
     model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
     ids, labels = savings_batch(device)
-    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_MLP_RECOMPUTE": "0"}
+    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_RECOMPUTE_GATED": "0"}
     loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
     loss_r, grads_r, kept_r = savings_step(model, ids, labels, {"FOX_LOSS_CHUNK_ROWS": "0"},
                                            monkeypatch, autocast)
     assert torch.equal(loss, loss_r)
     for name in grads:
         assert torch.equal(grads[name], grads_r[name]), name
-    product = c.num_hidden_layers * ids.numel() * c.intermediate_size
+    product = c.num_hidden_layers * ids.numel() * (
+        c.intermediate_size + (c.hidden_size if c.use_output_gate else 0))
     product *= 2 if autocast else torch.empty((), dtype=dtype).element_size()
     assert kept_r <= kept - product, (kept_r, kept, product)
 
@@ -354,8 +356,8 @@ def test_chunked_loss_matches_whole_logits(device, dtype, tied, monkeypatch):
     autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
     model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
     ids, labels = savings_batch(device)
-    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_MLP_RECOMPUTE": "0"}
-    chunked = {"FOX_LOSS_CHUNK_ROWS": "7", "FOX_MLP_RECOMPUTE": "0"}
+    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_RECOMPUTE_GATED": "0"}
+    chunked = {"FOX_LOSS_CHUNK_ROWS": "7", "FOX_RECOMPUTE_GATED": "0"}
     loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
     loss_c, grads_c, kept_c = savings_step(model, ids, labels, chunked, monkeypatch, autocast)
     assert (loss_c[labels == -100] == 0).all()

@@ -106,14 +106,14 @@ TEST_CASE("Memory savings of a training step: the same loss and gradients", "[nn
   // (22 rows: the last chunk of 2).
   auto step = [](ForgettingTransformerForCausalLM& lm, const torch::Tensor& ids,
                  const torch::Tensor& labels, const char* recompute, const char* chunk_rows) {
-    setenv("FOX_MLP_RECOMPUTE", recompute, 1);
+    setenv("FOX_RECOMPUTE_GATED", recompute, 1);
     setenv("FOX_LOSS_CHUNK_ROWS", chunk_rows, 1);
     lm->zero_grad();
     auto loss = lm(ids, labels);
     (loss * torch::linspace(0.5, 1.5, loss.numel(), loss.options()).view(loss.sizes())).sum().backward();
     std::vector<torch::Tensor> out{loss.detach()};
     for (auto& p : lm->parameters()) out.push_back(p.grad().clone());
-    unsetenv("FOX_MLP_RECOMPUTE");
+    unsetenv("FOX_RECOMPUTE_GATED");
     unsetenv("FOX_LOSS_CHUNK_ROWS");
     return out;
   };

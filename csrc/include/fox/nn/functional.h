@@ -49,10 +49,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act);
 
 /// linear(gated(gate, value, act), weight, bias) (+ residual): a gated MLP's product and down
-/// projection. Under autograd only gate, value and weight (and bias) are kept for the backward,
-/// which computes gated(gate, value) again: the product, the MLP's width per token, is never kept.
-/// Forward and gradients are bitwise those of the composition (autocast included); without
-/// autograd it is the composition (the few-row kernels of linear).
+/// projection, the attention output gate and o_proj. Under autograd only gate, value and weight
+/// (and bias) are kept for the backward, which computes gated(gate, value) again: the product is
+/// never kept. Forward and gradients are bitwise those of the composition (autocast included);
+/// without autograd, or with FOX_RECOMPUTE_GATED=0 (read at each call), it is the composition.
 torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value,
                            const std::string& act, const torch::Tensor& weight,
                            const torch::Tensor& bias = {}, const torch::Tensor& residual = {});

@@ -2,7 +2,7 @@
 //   gate, y = gate_proj(x).chunk(2, -1);  out = down_proj(act(gate) * y)
 // gate_proj: Linear(hidden, 2 * intermediate), down_proj: Linear(intermediate, hidden), no bias.
 // Under autograd the product act(gate) * y is not kept for the backward but computed again there
-// (functional::gated_linear; the same gradients); FOX_MLP_RECOMPUTE=0, read at each call, keeps it.
+// (functional::gated_linear; the same gradients).
 #pragma once
 
 #include <optional>
