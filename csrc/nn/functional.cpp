@@ -72,6 +72,14 @@ bool without_autograd(std::initializer_list<torch::Tensor> tensors) {
   return true;
 }
 
+// a + b in their promoted dtype. A float32 residual stream plus a half-precision branch as a cast
+// and a same-dtype add: ATen's mixed-dtype add is not vectorized (~4x the time on a training
+// step's rows); the values are the same (the cast is exact, the sum is float32 either way).
+torch::Tensor add_promoted(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto dtype = at::result_type(a, b);
+  return a.to(dtype) + b.to(dtype);
+}
+
 bool is_silu(const std::string& act) {
   if (act == "swish" || act == "silu") return true;
   TORCH_CHECK(act == "sigmoid", "gated: act must be swish, silu or sigmoid, got '", act, "'");
@@ -250,20 +258,47 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
 };
 
 // Per-token cross entropy of hidden (N, C) @ weight (V, C)^T against labels (N,), the logits made
-// chunk_rows rows at a time in the forward and again in the backward, never kept. The backward
-// takes d logits from cross_entropy's own backward (float32 softmax math, ignored labels 0).
+// chunk_rows rows at a time in the forward and again in the backward, never kept. On CUDA the
+// fused loss kernels run on each chunk: the forward keeps every row's log-sum-exp, and the
+// backward turns the chunk's logits into d logits in place. Elsewhere d logits come from
+// cross_entropy's own backward (float32 softmax math, ignored labels 0).
 struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
+  static bool direct(const torch::Tensor& hidden) {
+#ifdef FOX_WITH_CUDA
+    return fused(hidden);
+#else
+    (void)hidden;
+    return false;
+#endif
+  }
+
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight, const torch::Tensor& labels,
                                int64_t ignore_index, int64_t chunk_rows) {
-    std::vector<torch::Tensor> losses;
-    for (int64_t start = 0; start < hidden.size(0); start += chunk_rows) {
-      const int64_t rows = std::min(chunk_rows, hidden.size(0) - start);
-      losses.push_back(cross_entropy(plain_linear(hidden.narrow(0, start, rows), weight),
-                                     labels.narrow(0, start, rows), ignore_index));
+    const int64_t N = hidden.size(0);
+    torch::Tensor loss, lse;
+    if (direct(hidden)) {
+#ifdef FOX_WITH_CUDA
+      auto f32 = hidden.options().dtype(torch::kFloat32);
+      loss = torch::empty({N}, f32);
+      lse = torch::empty({N}, f32);
+      for (int64_t start = 0; start < N; start += chunk_rows) {
+        const int64_t rows = std::min(chunk_rows, N - start);
+        cuda::cross_entropy_forward(plain_linear(hidden.narrow(0, start, rows), weight),
+                                    labels.narrow(0, start, rows), ignore_index,
+                                    loss.narrow(0, start, rows), lse.narrow(0, start, rows));
+      }
+#endif
+    } else {
+      std::vector<torch::Tensor> losses;
+      for (int64_t start = 0; start < N; start += chunk_rows) {
+        const int64_t rows = std::min(chunk_rows, N - start);
+        losses.push_back(cross_entropy(plain_linear(hidden.narrow(0, start, rows), weight),
+                                       labels.narrow(0, start, rows), ignore_index));
+      }
+      loss = torch::cat(losses);
     }
-    auto loss = torch::cat(losses);
-    ctx->save_for_backward({hidden, weight, labels});
+    ctx->save_for_backward({hidden, weight, labels, lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk_rows"] = chunk_rows;
     ctx->saved_data["loss_dtype"] = int64_t(loss.scalar_type());
@@ -274,13 +309,14 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     // Detached: nothing here joins the outer graph (also under create_graph).
     auto saved = ctx->get_saved_variables();
     const auto hidden = saved[0].detach(), weight = saved[1].detach(), labels = saved[2];
+    const auto lse = saved[3];
     const int64_t chunk_rows = ctx->saved_data["chunk_rows"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
-    auto dloss = grads[0].to(torch::ScalarType(ctx->saved_data["loss_dtype"].toInt()));
+    auto dloss = grads[0].to(torch::ScalarType(ctx->saved_data["loss_dtype"].toInt())).contiguous();
     torch::Tensor dhidden, dweight;
     if (ctx->needs_input_grad(0)) dhidden = torch::empty(hidden.sizes(), hidden.options());
-    // The weight's gradient sums over all chunks: in float32 for a half-precision weight (one
-    // rounding at the end, as the single GEMM of the composition).
+    // The weight's gradient sums over all chunks: in float32 for a half-precision weight (on CUDA
+    // the GEMMs accumulate into it: one rounding at the end, as the composition's single GEMM).
     const bool half = weight.scalar_type() == torch::kFloat16 ||
                       weight.scalar_type() == torch::kBFloat16;
     if (ctx->needs_input_grad(1))
@@ -289,10 +325,18 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     for (int64_t start = 0; start < hidden.size(0); start += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, hidden.size(0) - start);
       auto h = hidden.narrow(0, start, rows);
-      auto logits = plain_linear(h, weight).requires_grad_(true);
+      auto logits = plain_linear(h, weight);
       torch::Tensor dlogits;
-      {
+      if (lse.defined()) {
+#ifdef FOX_WITH_CUDA
+        cuda::cross_entropy_backward(dloss.narrow(0, start, rows), logits,
+                                     labels.narrow(0, start, rows), lse.narrow(0, start, rows),
+                                     ignore_index, logits);  // in place: one read, one write
+        dlogits = logits;
+#endif
+      } else {
         torch::AutoGradMode grad_mode(true);
+        logits.requires_grad_(true);
         auto loss = cross_entropy(logits, labels.narrow(0, start, rows), ignore_index);
         dlogits = torch::autograd::grad({loss}, {logits}, {dloss.narrow(0, start, rows)})[0];
       }
@@ -301,8 +345,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
         torch::mm_out(out, dlogits, weight);
       }
       if (dweight.defined()) {
-        if (half) dweight.add_(dlogits.t().mm(h));
-        else dweight.addmm_(dlogits.t(), h);
+        if (!half) dweight.addmm_(dlogits.t(), h);
+        else if (lse.defined()) at::addmm_out(dweight, dweight, dlogits.t(), h, torch::kFloat32);
+        else dweight.add_(dlogits.t().mm(h));  // CPU: mm.dtype is CUDA's
       }
     }
     if (dweight.defined()) dweight = dweight.to(weight.scalar_type());
@@ -365,7 +410,7 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
     }
   }
 #endif
-  auto sum = x + delta;
+  auto sum = add_promoted(x, delta);
   return {sum, rms_norm(sum, weight, sum.size(-1), eps)};
 }
 
@@ -422,7 +467,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
 #endif
   auto y = torch::nn::functional::linear(x, weight, bias);
-  return residual.defined() ? y + residual : y;
+  return residual.defined() ? add_promoted(y, residual) : y;
 }
 
 torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_logits,
@@ -483,7 +528,7 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
   auto y = GatedLinearFunction::apply(
       gate, value, autocast_arg(weight),
       bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
-  return residual.defined() ? y + residual : y;
+  return residual.defined() ? add_promoted(y, residual) : y;
 }
 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
