@@ -222,36 +222,44 @@ torch::Tensor plain_linear(const torch::Tensor& x, const torch::Tensor& weight,
 }
 
 // linear(gated(gate, value), weight, bias) keeping gate, value and weight, not the product: the
-// backward builds the composition's graph again over them and runs its backward, so that the
-// gradients are bitwise the composition's.
+// backward computes the product again and takes the linear's gradients with the products
+// autograd's own mm backward uses (bitwise the composition's), then the product's own backward.
 struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunction> {
   // weight and bias arrive cast as autocast casts them; the product is cast here the same way.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
                                const torch::Tensor& value, const torch::Tensor& weight,
                                const std::optional<torch::Tensor>& bias, const std::string& act) {
     auto h = autocast_arg(functional::gated(gate, value, act));
-    ctx->save_for_backward({gate, value, weight, bias.value_or(torch::Tensor())});
+    ctx->save_for_backward({gate, value, weight});
     ctx->saved_data["act"] = act;
     ctx->saved_data["dtype"] = int64_t(h.scalar_type());
+    ctx->saved_data["bias"] = bias.has_value();
     return plain_linear(h, weight, bias.value_or(torch::Tensor()));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    torch::AutoGradMode grad_mode(true);
-    variable_list leaves(4), inputs;
-    for (size_t i = 0; i < 4; ++i) {
-      if (!saved[i].defined()) continue;
-      leaves[i] = saved[i].detach();
-      if (ctx->needs_input_grad(i)) inputs.push_back(leaves[i].requires_grad_(true));
-    }
-    auto h = functional::gated(leaves[0], leaves[1], ctx->saved_data["act"].toStringRef());
-    h = h.to(torch::ScalarType(ctx->saved_data["dtype"].toInt()));
-    auto y = plain_linear(h, leaves[2], leaves[3]);
-    auto found = torch::autograd::grad({y}, inputs, {grads[0]});
+    const auto weight = saved[2].detach();
+    auto gate = saved[0].detach(), value = saved[1].detach();
+    const bool need_gate = ctx->needs_input_grad(0), need_value = ctx->needs_input_grad(1);
+    variable_list inputs;
+    if (need_gate) inputs.push_back(gate.requires_grad_(true));
+    if (need_value) inputs.push_back(value.requires_grad_(true));
+    torch::AutoGradMode grad_mode(!inputs.empty());
+    auto h = functional::gated(gate, value, ctx->saved_data["act"].toStringRef())
+                 .to(torch::ScalarType(ctx->saved_data["dtype"].toInt()));
+    // F.linear folds the leading dimensions into the rows of one mm(h, weight^T); its backward:
+    // dh = dy.mm(weight), d weight = dy^T.mm(h), d bias = dy.sum(0).
+    const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
     variable_list out(5);
-    for (size_t i = 0, k = 0; i < 4; ++i) {
-      if (leaves[i].defined() && ctx->needs_input_grad(i)) out[i] = found[k++];
+    if (ctx->needs_input_grad(2)) out[2] = dy.t().mm(h.detach().reshape({-1, h.size(-1)}));
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)) out[3] = dy.sum(0);
+    if (!inputs.empty()) {
+      auto dh = dy.mm(weight).view(h.sizes());
+      auto found = torch::autograd::grad({h}, inputs, {dh});
+      size_t k = 0;
+      if (need_gate) out[0] = found[k++];
+      if (need_value) out[1] = found[k++];
     }
     return out;
   }
