@@ -113,6 +113,29 @@ def model_125m(arch, args):
     return c, fnn.ForgettingTransformerForCausalLM(c).cuda()
 
 
+# Dense bf16 peak of the GPU (the datasheet's, without sparsity) for the model FLOP utilization.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def training_flops_per_token(model, T):
+    """Model FLOPs of one training token (forward + backward = 3x forward, no recomputation
+    counted): 6 per parameter of the matrix products (every linear layer and the LM head; the
+    embedding lookup is free) plus causal attention's two products, 6 * T * hidden per layer
+    (2 * 2 * T/2 * hidden forward)."""
+    c = model.config
+    embedding = c.vocab_size * c.hidden_size
+    matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2) - embedding
+    if c.tie_word_embeddings:
+        matrices += embedding
+    return 6 * matrices + 6 * T * c.hidden_size * c.num_hidden_layers
+
+
+def mfu(tokens_per_s, flops_per_token):
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return float("nan") if peak is None else tokens_per_s * flops_per_token / (peak * 1e12)
+
+
 def fox_training_step(model, ids, labels):
     """forward + backward of the mean per-token loss under bf16 autocast, as a closure."""
     def step():
@@ -235,7 +258,7 @@ def main():
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, B={B}, T={T}, bf16 autocast, fwd+bwd")
-    print("| model | fox_torch k tokens/s | eager k tokens/s | ratio | loss (fox / eager) |")
+    print("| model | fox_torch k tokens/s (MFU) | eager k tokens/s (MFU) | ratio | loss (fox / eager) |")
     print("|---|---|---|---|---|")
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cuda")
     notes = []
@@ -264,8 +287,11 @@ def main():
                          f"relative gap {max(gaps):.1e} over {len(gaps)} tensors")
         t_fox, t_eager = time_step(fox_step), time_step(eager_step)
         tok = B * T / 1e3
-        print(f"| {arch} | {tok / t_fox * 1e3:,.0f} | {tok / t_eager * 1e3:,.0f} ({eager_name}) | "
-              f"{t_eager / t_fox:.2f} | {fox_loss:.4f} / {eager_loss_value:.4f} |", flush=True)
+        flops = training_flops_per_token(model, T)
+        u_fox, u_eager = mfu(tok / t_fox * 1e6, flops), mfu(tok / t_eager * 1e6, flops)
+        print(f"| {arch} | {tok / t_fox * 1e3:,.0f} ({u_fox:.1%}) | {tok / t_eager * 1e3:,.0f} "
+              f"({u_eager:.1%}, {eager_name}) | {t_eager / t_fox:.2f} | {fox_loss:.4f} / "
+              f"{eager_loss_value:.4f} |", flush=True)
         if args.profile:
             for name, step in (("fox_torch", fox_step), ("eager", eager_step)):
                 print_profile(f"{arch}, {name}", step)
