@@ -12,7 +12,8 @@ namespace {
 // A decoding step's three cache writes in one kernel (three scatters are three launches per layer
 // and step), where it takes the tensors: the cache's dtypes, float32 gates, and (heads, head dim)
 // dense in every row, so that the (B, T, C) views below share the buffers' memory. The gates are
-// float32 log f, or with gate_logits the forget gate's logits (float32 or the cache's dtype).
+// float32 log f, or with gate_logits the forget gate's logits (float32 or the cache's dtype); the
+// cache keeps them in float32 or float16.
 // Returns false otherwise; the caller then scatters.
 bool fused_cache_write(const torch::Tensor& k_new, const torch::Tensor& v_new,
                        const torch::Tensor& lf_new, bool gate_logits,
@@ -24,7 +25,8 @@ bool fused_cache_write(const torch::Tensor& k_new, const torch::Tensor& v_new,
   const bool gate_dtype_ok = lf_new.scalar_type() == torch::kFloat32 ||
                              (gate_logits && lf_new.scalar_type() == k.scalar_type());
   if (k_new.scalar_type() != k.scalar_type() || v_new.scalar_type() != v.scalar_type() ||
-      !gate_dtype_ok || log_fgate.scalar_type() != torch::kFloat32 ||
+      !gate_dtype_ok ||
+      (log_fgate.scalar_type() != torch::kFloat32 && log_fgate.scalar_type() != torch::kHalf) ||
       !dense_rows(k) || !dense_rows(v) || !dense_rows(k_new) || !dense_rows(v_new) ||
       lf_new.stride(2) != 1 || log_fgate.stride(2) != 1 || !positions.is_contiguous()) {
     return false;
@@ -93,12 +95,19 @@ void LayerCache::set_state(torch::Tensor& state, const torch::Tensor& last) cons
 }
 
 KVCache KVCache::allocate(const std::vector<LayerCacheShape>& shapes, int64_t batch,
-                          int64_t max_length, torch::ScalarType dtype, torch::Device device) {
+                          int64_t max_length, torch::ScalarType dtype, torch::Device device,
+                          std::optional<torch::ScalarType> gate_dtype) {
   TORCH_CHECK(batch >= 1, "KVCache::allocate: batch must be >= 1, got ", batch);
   TORCH_CHECK(max_length >= 1, "KVCache::allocate: max_length must be >= 1, got ", max_length);
+  const auto gates = gate_dtype.value_or(dtype == torch::kFloat64 ? torch::kFloat64
+                                                                  : torch::kFloat32);
+  TORCH_CHECK(gates == torch::kFloat32 || gates == torch::kFloat16 ||
+                  (gates == torch::kFloat64 && dtype == torch::kFloat64),
+              "KVCache::allocate: gate_dtype must be float32 or float16 (float64 with a float64 "
+              "cache), got ", gates);
   KVCache cache(static_cast<int64_t>(shapes.size()));
   auto opts = torch::TensorOptions().dtype(dtype).device(device);
-  auto gate_opts = opts.dtype(dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32);
+  auto gate_opts = opts.dtype(gates);
   for (size_t i = 0; i < shapes.size(); ++i) {
     const auto& sh = shapes[i];
     auto& l = cache.layers[i];

@@ -98,7 +98,7 @@ GenerationSession::GenerationSession(ForgettingTransformerForCausalLM model,
   std::optional<torch::ScalarType> cache_dtype;
   if (weight.scalar_type() == torch::kFloat32 && at::autocast::is_autocast_enabled(device.type()))
     cache_dtype = at::autocast::get_autocast_dtype(device.type());
-  cache_ = model_->new_static_cache(B, max_length, cache_dtype);
+  cache_ = model_->new_static_cache(B, max_length, cache_dtype, options.gate_cache_dtype());
   const auto long_opts = torch::TensorOptions().dtype(torch::kLong).device(device);
   tokens_ = torch::zeros({B}, long_opts);
   finished_ = torch::zeros({B}, long_opts.dtype(torch::kBool));

@@ -222,7 +222,8 @@ void ForgettingTransformerForCausalLMImpl::reset_parameters() {
 }
 
 KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
-    int64_t batch, int64_t max_length, std::optional<torch::ScalarType> dtype) const {
+    int64_t batch, int64_t max_length, std::optional<torch::ScalarType> dtype,
+    std::optional<torch::ScalarType> gate_dtype) const {
   std::vector<LayerCacheShape> shapes;
   for (const auto& m : model->layers->children()) {
     const auto& attn = m->as<ForgettingTransformerBlockImpl>()->attn;
@@ -235,7 +236,8 @@ KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
     shapes.push_back(sh);
   }
   const auto& w = model->embeddings->weight;
-  return KVCache::allocate(shapes, batch, max_length, dtype.value_or(w.scalar_type()), w.device());
+  return KVCache::allocate(shapes, batch, max_length, dtype.value_or(w.scalar_type()), w.device(),
+                           gate_dtype);
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {

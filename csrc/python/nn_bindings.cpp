@@ -4,6 +4,7 @@
 // the config are bound as classes constructible from keyword arguments.
 #include <pybind11/functional.h>
 #include <torch/extension.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/python.h>
 
 #include <map>
@@ -118,6 +119,17 @@ void init_nn_bindings(py::module_& parent) {
   FOX_FIELD(gopt, GenerationOptions, static_cache);
   FOX_FIELD(gopt, GenerationOptions, cuda_graph);
   FOX_FIELD(gopt, GenerationOptions, max_length);
+  gopt.def_property(
+      "gate_cache_dtype",
+      [](const GenerationOptions& o) -> py::object {
+        if (!o.gate_cache_dtype()) return py::none();
+        return py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyObject*>(torch::getTHPDtype(*o.gate_cache_dtype())));
+      },
+      [](GenerationOptions& o, py::object dtype) {
+        if (dtype.is_none()) o.gate_cache_dtype(std::nullopt);
+        else o.gate_cache_dtype(torch::python::detail::py_object_to_dtype(dtype));
+      });
 
   // ---- cache -----------------------------------------------------------------------------------
   py::class_<LayerCache>(m, "LayerCache")
@@ -231,12 +243,14 @@ void init_nn_bindings(py::module_& parent) {
       .def(
           "new_static_cache",
           [](ForgettingTransformerForCausalLMImpl& s, int64_t batch, int64_t max_length,
-             py::object dtype) {
-            std::optional<torch::ScalarType> t;
+             py::object dtype, py::object gate_dtype) {
+            std::optional<torch::ScalarType> t, g;
             if (!dtype.is_none()) t = torch::python::detail::py_object_to_dtype(dtype);
-            return std::make_shared<KVCache>(s.new_static_cache(batch, max_length, t));
+            if (!gate_dtype.is_none()) g = torch::python::detail::py_object_to_dtype(gate_dtype);
+            return std::make_shared<KVCache>(s.new_static_cache(batch, max_length, t, g));
           },
-          py::arg("batch"), py::arg("max_length"), py::arg("dtype") = py::none())
+          py::arg("batch"), py::arg("max_length"), py::arg("dtype") = py::none(),
+          py::arg("gate_dtype") = py::none())
       .def(
           "generate",
           [](std::shared_ptr<ForgettingTransformerForCausalLMImpl> self,

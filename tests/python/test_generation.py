@@ -149,6 +149,48 @@ def test_bad_input_is_a_clear_error():
         model(ids, cache=cache)
         with pytest.raises(RuntimeError, match="do not fit"):
             model(ids[:, :1], cache=cache)
+    with pytest.raises(RuntimeError, match="gate_dtype must be float32 or float16"):
+        model.new_static_cache(2, 8, gate_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_float16_gate_cache(device):
+    """A static cache with float16 gates: the first layer's gates are the float32 cache's rounded
+    to float16 (the cache write, on CUDA the fused kernel), the cached steps' logits stay within
+    float16's rounding of log f of the full forward's, and generation with it runs (graph replay
+    equal to eager on a GPU, GQA: the decoding kernel reads the float16 gates)."""
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = tiny_model("fox_pro", kv_heads=2, dtype=dtype, device=device)
+    ids = torch.randint(0, 61, (2, 12), device=device)
+    full = model(ids).float()
+    caches = {g: model.new_static_cache(2, 16, gate_dtype=g) for g in (None, torch.float16)}
+    logits = {}
+    with torch.no_grad():
+        for g, cache in caches.items():
+            parts = [model(ids[:, :5], cache=cache)]
+            for t in range(5, 12):
+                parts.append(model(ids[:, t:t + 1], cache=cache))
+            logits[g] = torch.cat(parts, 1).float()
+    # The first layer's gates (the later layers' inputs differ by the rounding above them).
+    g32, g16 = caches[None].layer(0).log_fgate, caches[torch.float16].layer(0).log_fgate
+    assert g32.dtype == torch.float32 and g16.dtype == torch.float16
+    assert torch.equal(g16, g32.half())
+    # log f to 11 bits moves these logits (random weights, |logits| up to ~10) by up to ~3e-3; on
+    # a GPU (bf16) against the float32 gate cache through the same kernels.
+    if device == "cpu":
+        torch.testing.assert_close(logits[torch.float16], full, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(logits[None], full, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(logits[torch.float16], logits[None], rtol=0.1, atol=0.1)
+    out = model.generate(ids, max_new_tokens=6, gate_cache_dtype=torch.float16)
+    assert out.shape == (2, 18) and torch.equal(out[:, :12], ids)
+    assert fnn.GenerationOptions(gate_cache_dtype=torch.float16).gate_cache_dtype == torch.float16
+    if device == "cuda":
+        eager = model.generate(ids, max_new_tokens=6, gate_cache_dtype=torch.float16,
+                               cuda_graph=False)
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.cuda

@@ -438,14 +438,14 @@ __device__ __forceinline__ float log_sigmoid(float x) {
   return fminf(x, 0.f) - log1pf(expf(-fabsf(x)));  // no overflow for large |x|
 }
 
-template <typename T, typename G>
+template <typename T, typename G, typename GO>
 __global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, int64_t kn_ts,
                                    const T* __restrict__ v_new, int64_t vn_bs, int64_t vn_ts,
                                    const G* __restrict__ g_new, int64_t gn_bs, int64_t gn_ts,
                                    bool logits, const int64_t* __restrict__ pos,
                                    T* __restrict__ k, int64_t k_bs, int64_t k_ts,
                                    T* __restrict__ v, int64_t v_bs, int64_t v_ts,
-                                   float* __restrict__ g, int64_t g_bs, int64_t g_ts, int T_new,
+                                   GO* __restrict__ g, int64_t g_bs, int64_t g_ts, int T_new,
                                    int C, int H) {
   wait_for_previous_kernel();
   allow_next_kernel();
@@ -457,7 +457,7 @@ __global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, i
   }
   for (int h = threadIdx.x; h < H; h += blockDim.x) {
     const float x = static_cast<float>(g_new[b * gn_bs + t * gn_ts + h]);
-    g[b * g_bs + j * g_ts + h] = logits ? log_sigmoid(x) : x;
+    g[b * g_bs + j * g_ts + h] = static_cast<GO>(logits ? log_sigmoid(x) : x);
   }
 }
 
@@ -760,23 +760,31 @@ void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Ten
   const int C = int(k_new.size(2)), H = int(g_new.size(2));
   TORCH_CHECK(g_new.scalar_type() == at::kFloat || g_new.scalar_type() == k.scalar_type(),
               "cache_write: the new gates must be float32 or of the cache's dtype");
+  TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf,
+              "cache_write: the cache's gates must be float32 or float16");
   const int threads = std::min(256, std::max(32, ((std::max(C, H) + 31) / 32) * 32));
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(k.scalar_type(), "cache_write", [&] {
-    auto run = [&](auto gate) {
+    auto run = [&](auto gate, auto gate_out) {
       using G = decltype(gate);
+      using GO = decltype(gate_out);
       C10_CUDA_CHECK(launch_dependent(
-          cache_write_kernel<scalar_t, G>, dim3(unsigned(B * T)), dim3(threads), 0, stream,
+          cache_write_kernel<scalar_t, G, GO>, dim3(unsigned(B * T)), dim3(threads), 0, stream,
           k_new.data_ptr<scalar_t>(), k_new.stride(0), k_new.stride(1),
           v_new.data_ptr<scalar_t>(), v_new.stride(0), v_new.stride(1), g_new.data_ptr<G>(),
           g_new.stride(0), g_new.stride(1), gate_logits, positions.data_ptr<int64_t>(),
           k.data_ptr<scalar_t>(), k.stride(0), k.stride(1), v.data_ptr<scalar_t>(), v.stride(0),
-          v.stride(1), g.data_ptr<float>(), g.stride(0), g.stride(1), int(T), C, H));
+          v.stride(1), g.data_ptr<GO>(), g.stride(0), g.stride(1), int(T), C, H));
+    };
+    // A float16 gate cache: half the gate bytes a decoding step reads (log f rounded to 11 bits).
+    auto with_gate_out = [&](auto gate) {
+      if (g.scalar_type() == at::kHalf) run(gate, at::Half());
+      else run(gate, float());
     };
     if (g_new.scalar_type() == at::kFloat) {
-      run(float());
+      with_gate_out(float());
     } else {
-      run(scalar_t());
+      with_gate_out(scalar_t());
     }
   });
 }

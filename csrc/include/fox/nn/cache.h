@@ -64,9 +64,11 @@ struct KVCache {
   std::optional<torch::Tensor> seq_start;
 
   /// A static cache for `batch` rows of at most `max_length` tokens (K and V in `dtype`, gates in
-  /// float32, or float64 with a float64 dtype), all rows empty.
+  /// `gate_dtype`: float32 by default, float64 with a float64 dtype; float16 halves the gate bytes
+  /// a decoding step reads), all rows empty.
   static KVCache allocate(const std::vector<LayerCacheShape>& shapes, int64_t batch,
-                          int64_t max_length, torch::ScalarType dtype, torch::Device device);
+                          int64_t max_length, torch::ScalarType dtype, torch::Device device,
+                          std::optional<torch::ScalarType> gate_dtype = std::nullopt);
 
   /// Static mode: tokens of each row (B,) int64 on the cache's device; undefined: dynamic mode.
   torch::Tensor lengths;

@@ -47,6 +47,11 @@ struct GenerationOptions {
   TORCH_ARG(bool, cuda_graph) = true;
   /// Capacity of the static cache per row; 0: prompt length + max_new_tokens. Default 0.
   TORCH_ARG(int64_t, max_length) = 0;
+  /// dtype of the static cache's log forget gates: float32 (default) or float16, which halves
+  /// the gate bytes of every decoding step (log f rounded to 11 bits, the sums still float32).
+  /// The decoding kernel reads float16 gates as they are where a KV group has an even number of
+  /// query heads (GQA); otherwise they are converted each step, which costs more than it saves.
+  TORCH_ARG(std::optional<torch::ScalarType>, gate_cache_dtype) = std::nullopt;
   /// Called after every step with that step's tokens (B,) (streaming). Default none.
   TORCH_ARG(std::function<void(const torch::Tensor&)>, on_tokens) = nullptr;
 };

@@ -184,9 +184,11 @@ class ForgettingTransformerForCausalLMImpl
   /// A fresh, empty cache for this model.
   KVCache new_cache() const { return KVCache(config.num_hidden_layers()); }
   /// A static cache (see cache.h) for `batch` rows of up to `max_length` tokens; K and V in
-  /// `dtype` (default: the dtype of the weights), on the weights' device.
+  /// `dtype` (default: the dtype of the weights), the gates in `gate_dtype` (default float32),
+  /// on the weights' device.
   KVCache new_static_cache(int64_t batch, int64_t max_length,
-                           std::optional<torch::ScalarType> dtype = std::nullopt) const;
+                           std::optional<torch::ScalarType> dtype = std::nullopt,
+                           std::optional<torch::ScalarType> gate_dtype = std::nullopt) const;
 
   ForgettingTransformerConfig config;
   ForgettingTransformerModel model{nullptr};
