@@ -10,6 +10,7 @@ the mean context (K, V and, for FoX, log f) over the measured copy bandwidth.
 
     python3 bench/bench_generate.py                       # 125M, B 1/16/64, 2k prompt, 128 new
     python3 bench/bench_generate.py --model 760m --batch 1 --prompt 32768 131072 --new 64
+    python3 bench/bench_generate.py --gate-cache --kv-heads 4 --prompt 32768   # float16 gate cache
 """
 import argparse
 import json
@@ -43,10 +44,11 @@ def copy_bandwidth():
     return 2 * x.numel() * 10 / (sync_time() - t0)
 
 
-def fox_model(size):
+def fox_model(size, kv_heads=None):
     hidden, layers, heads = SIZES[size]
     cfg = fnn.ForgettingTransformerConfig(vocab_size=VOCAB, hidden_size=hidden,
-                                          num_hidden_layers=layers, num_heads=heads)
+                                          num_hidden_layers=layers, num_heads=heads,
+                                          num_kv_heads=kv_heads)
     return fnn.ForgettingTransformerForCausalLM(cfg.preset("fox_pro")).to(
         "cuda", torch.bfloat16).eval()
 
@@ -125,6 +127,28 @@ def profile_step(model, B, prompt, steps=10):
                                     max_name_column_width=90))
 
 
+def gate_cache_table(args):
+    """Our graph-replayed step with the static cache's gates in float32 and in float16, side by
+    side (interleaved, median of 3), for a GQA variant of the model (--kv-heads)."""
+    fox = fox_model(args.model, args.kv_heads)
+    hidden, layers, heads = SIZES[args.model]
+    print(f"{torch.cuda.get_device_name()}: {args.model} FoX (Pro) with {heads}/{args.kv_heads} "
+          f"heads, bf16, graph replay, {args.new} new tokens")
+    print("| B | prompt | float32 gates ms/token | float16 gates ms/token | ratio |\n|---|---|---|---|---|")
+    for prompt in args.prompt:
+        for B in args.batch:
+            ids = torch.randint(0, VOCAB, (B, prompt), device="cuda")
+            time_fox(fox, ids[:, :64], 8)
+            times = {None: [], torch.float16: []}
+            for _ in range(3):
+                for g in times:
+                    times[g].append(time_fox(fox, ids, args.new, gate_cache_dtype=g)[1])
+            f32, f16 = (sorted(times[g])[1] * 1e3 for g in (None, torch.float16))
+            print(f"| {B} | {prompt} | {f32:.3f} | {f16:.3f} | {f16 / f32:.3f} |", flush=True)
+            del ids
+            torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="125m", choices=sorted(SIZES))
@@ -136,7 +160,13 @@ def main():
     ap.add_argument("--out", default=None, help="write generate.json here")
     ap.add_argument("--profile", action="store_true",
                     help="only list the kernels of one replayed step (first batch and prompt)")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="with --gate-cache: key/value heads of the GQA variant")
+    ap.add_argument("--gate-cache", action="store_true",
+                    help="only ours with float32 against float16 gate caches (GQA: --kv-heads)")
     args = ap.parse_args()
+    if args.gate_cache:
+        return gate_cache_table(args)
     if args.profile:
         return profile_step(fox_model(args.model), args.batch[0], args.prompt[0])
     torch.manual_seed(0)
