@@ -270,7 +270,6 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   const int64_t B = x_in.size(0), T = x_in.size(1), H = o.num_heads(), Hkv = num_kv_heads();
   const int64_t D = head_dim();
   TORCH_CHECK(T > 0, "ForgettingAttentionLayer: empty sequence");
-  // Positions of the new tokens: (T,) after a dynamic cache, (B, T) per row in a static one.
   const SequenceShard* shard = shard_.value.get();
   TORCH_CHECK(!shard || (!cache && !(seq_start.has_value() && seq_start->defined())),
               "ForgettingAttentionLayer: a context-parallel forward takes neither a cache nor "
@@ -279,6 +278,8 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
               "ForgettingAttentionLayer: the SequenceShard was prepared for ",
               shard && shard->positions.defined() ? shard->positions.numel() : 0,
               " tokens, the input has ", T);
+  // Positions of the new tokens: (T,) after a dynamic cache or in a context-parallel shard, (B, T)
+  // per row in a static cache.
   const bool static_cache = cache && cache->is_static();
   const int64_t offset = cache && !static_cache ? cache->length() : 0;
   auto positions = static_cache ? cache->positions
