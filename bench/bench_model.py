@@ -242,6 +242,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--archs", default="fox_pro,transformer_pro",
+                    help="comma-separated presets of the main table (also fox_llama, "
+                         "transformer_llama)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA kernels that take the most time in each step")
     ap.add_argument("--checkpoint-activations", action="store_true",
@@ -262,7 +265,8 @@ def main():
     print("|---|---|---|---|---|")
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cuda")
     notes = []
-    for arch, eager_name in (("fox_pro", "FlexAttention"), ("transformer_pro", "SDPA")):
+    for arch in args.archs.split(","):
+        eager_name = "FlexAttention" if arch.startswith("fox") else "SDPA"
         c, model = model_125m(arch, args)
         params = {k: v.detach().clone().requires_grad_(v.is_floating_point())
                   for k, v in model.state_dict().items()}
