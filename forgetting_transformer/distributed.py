@@ -260,8 +260,13 @@ def set_context_parallel(model, group=None, *, layout: Optional[str] = "contiguo
     them over the group (data parallelism over the same ranks does, with the loss scaled by the
     number of ranks it averages over). layout=None turns it off. Not with a cache or seq_start
     (generation runs on whole sequences)."""
-    decoder = getattr(model, "model", model)
     from . import _C
+    from .nn import ForgettingTransformerModel
+    decoder = getattr(model, "model", model)
+    if not isinstance(decoder, ForgettingTransformerModel):
+        raise TypeError("set_context_parallel: expects a forgetting_transformer.nn "
+                        "ForgettingTransformerForCausalLM or ForgettingTransformerModel, got "
+                        f"{type(model).__name__}")
     if layout is None:
         _C.nn.set_sequence_shard(decoder.cpp_module, None)
         return model

@@ -266,6 +266,12 @@ if device == "cpu":
         assert "layout must be" in str(e), e
     else:
         raise AssertionError("layout='ring'")
+    try:
+        set_context_parallel(torch.nn.Linear(2, 2))
+    except TypeError as e:
+        assert "ForgettingTransformerForCausalLM" in str(e), e
+    else:
+        raise AssertionError("a torch.nn.Linear")
 set_context_parallel(model, layout=None)
 model(ids[:, :10], cache=model.new_cache())
 dist.destroy_process_group()
