@@ -5,6 +5,8 @@
 
 #include "helpers.h"  // LibTorch first: Catch2 must own CHECK
 
+#include <fox/ops.h>
+
 #include "../catch.h"
 
 using namespace fox::nn;
@@ -229,4 +231,42 @@ TEST_CASE("A block runner sees every block call, and clones run without it", "[n
   lm->model->set_block_runner(nullptr);
   CHECK(close(lm(ids), expect, 0.0));
   CHECK(calls.size() == 2);
+}
+
+TEST_CASE("A SequenceShard of two pieces in one process gives the whole sequence's output",
+          "[nn][model]") {
+  // The callbacks a context-parallel host supplies, for one process holding the sequence as two
+  // pieces: the second piece's KV-shift reads the first's last token, attention sees everything.
+  for (const char* arch : {"fox_pro", "transformer_pro"}) {
+    torch::manual_seed(10);
+    ForgettingTransformerForCausalLM lm(fox_test::tiny_config(arch));
+    auto ids = torch::randint(0, 61, {2, 9});
+    auto expect = lm(ids);
+    auto shard = std::make_shared<SequenceShard>();
+    int prepared = 0;
+    shard->prepare = [&](SequenceShard* s, int64_t length, torch::Device device) {
+      ++prepared;
+      s->positions = torch::arange(length, torch::TensorOptions().dtype(torch::kLong).device(device));
+      s->piece_lengths = {4, length - 4};
+      s->sequence_length = length;
+    };
+    shard->previous_tokens = [](const torch::Tensor& y) {
+      return torch::stack({torch::zeros_like(y.select(1, 0)), y.select(1, 3)}, 1);
+    };
+    shard->attention = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const torch::Tensor& g, double sm_scale, std::optional<double> threshold) {
+      return fox::forgetting_attention(
+          q, k, v, g, fox::AttentionOptions().sm_scale(sm_scale).adaptive_threshold(threshold));
+    };
+    lm->model->set_sequence_shard(shard);
+    CHECK(close(lm(ids), expect, 1e-6));
+    CHECK(prepared == 1);
+    auto cache = lm->new_cache();
+    CHECK_THROWS_WITH(lm->forward(ids, std::nullopt, &cache),
+                      fox_test::HasSubstring("neither a cache nor seq_start"));
+    lm->model->set_sequence_shard(nullptr);
+    CHECK(close(lm(ids), expect, 0.0));
+    CHECK_THROWS_WITH(lm->model->set_sequence_shard(std::make_shared<SequenceShard>()),
+                      fox_test::HasSubstring("needs prepare"));
+  }
 }
