@@ -17,14 +17,16 @@ Two layouts of the sequence over the P ranks:
   rank does the same work.
 
 This is the all-gather form of context parallelism: the activations of every other layer stay
-split, while attention needs K, V and the gates of the prefix on each rank.
+split, while attention needs K, V and the gates of the prefix on each rank; the gathered tensors
+are not kept for the backward pass, which gathers them again (a rank holds the whole sequence's
+K and V for one layer at a time, not for every layer).
 """
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .ops import forgetting_attention
+from . import _C  # noqa: F401  (registers torch.ops.fox.*)
 
 __all__ = ["context_parallel_attention", "set_context_parallel", "shard_sequence", "zigzag_shard",
            "zigzag_unshard"]
@@ -72,35 +74,76 @@ def _chunk_lengths(length: int, group, device) -> List[int]:
     return [int(t.item()) for t in every]
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Forward: the first `needed` positions of the whole sequence, assembled from every rank's
-    local tensor (dim 1) by one all-gather; `pieces` says where each piece of the sequence lives:
-    (global start, owning rank, offset in the owner's local tensor, length), in sequence order.
-    Backward: the gradients of every rank's assembled prefix are summed over the ranks (one
-    all-reduce) and each rank keeps its own pieces."""
+def _gather_prefix(x: torch.Tensor, group, lengths: List[int], pieces, needed: int) -> torch.Tensor:
+    """The first `needed` positions of the whole sequence (dim 1), assembled from every rank's
+    local tensor by one all-gather; `pieces` says where each piece of the sequence lives:
+    (global start, owning rank, offset in the owner's local tensor, length), in sequence order."""
+    padded = x.new_zeros((x.shape[0], max(lengths)) + tuple(x.shape[2:]))
+    padded[:, : x.shape[1]] = x
+    gathered = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(gathered, padded, group=group)
+    parts = [gathered[owner][:, offset:offset + n] for start, owner, offset, n in pieces
+             if start < needed]
+    return torch.cat(parts, 1)[:, :needed]
+
+
+def _reduce_to_owners(grad: torch.Tensor, group, lengths: List[int], pieces) -> torch.Tensor:
+    """_gather_prefix's transpose: every rank's gradient of its assembled prefix, summed over the
+    ranks (one all-reduce), each rank keeping its own pieces in local order."""
+    total = grad.new_zeros((grad.shape[0], sum(lengths)) + tuple(grad.shape[2:]))
+    total[:, : grad.shape[1]] = grad
+    dist.all_reduce(total, group=group)
+    rank = dist.get_rank(group)
+    mine = sorted((offset, start, n) for start, owner, offset, n in pieces if owner == rank)
+    return torch.cat([total[:, start:start + n] for _, start, n in mine], 1).contiguous()
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """This rank's queries against the prefix of the sequence each of their pieces needs, through
+    the op's forward and backward kernels. The gathered keys, values and gates are not kept for
+    the backward, which gathers them again: a rank keeps its own part of the sequence between
+    the passes, not the whole (as the layers around attention do)."""
 
     @staticmethod
-    def forward(ctx, x, group, lengths, pieces, needed):
-        longest = max(lengths)
-        padded = x.new_zeros((x.shape[0], longest) + tuple(x.shape[2:]))
-        padded[:, : x.shape[1]] = x
-        gathered = [torch.empty_like(padded) for _ in lengths]
-        dist.all_gather(gathered, padded.contiguous(), group=group)
-        parts = [gathered[owner][:, offset:offset + n] for start, owner, offset, n in pieces
-                 if start < needed]
-        ctx.group, ctx.lengths, ctx.pieces = group, lengths, pieces
-        ctx.rank = dist.get_rank(group)
-        return torch.cat(parts, 1)[:, :needed]
+    def forward(ctx, q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold):
+        needed = max(start + n for start, _, n in where.mine)
+        k_seq, v_seq, g_seq = (_gather_prefix(t, group, where.lengths, where.pieces, needed)
+                               for t in (k, v, log_fgate))
+        outs, lses = [], []
+        for start, offset, n in where.mine:
+            out, lse = torch.ops.fox.forgetting_attention_fwd(
+                q[:, offset:offset + n], k_seq[:, :start + n], v_seq[:, :start + n],
+                g_seq[:, :start + n], None, None, sm_scale, adaptive_threshold, None)
+            outs.append(out)
+            lses.append(lse)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
+        ctx.group, ctx.where, ctx.needed = group, where, needed
+        ctx.sm_scale, ctx.adaptive_threshold = sm_scale, adaptive_threshold
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        total = grad.new_zeros((grad.shape[0], sum(ctx.lengths)) + tuple(grad.shape[2:]))
-        total[:, : grad.shape[1]] = grad
-        dist.all_reduce(total, group=ctx.group)
-        mine = sorted((offset, start, n) for start, owner, offset, n in ctx.pieces
-                      if owner == ctx.rank)
-        grad_x = torch.cat([total[:, start:start + n] for _, start, n in mine], 1)
-        return grad_x.contiguous(), None, None, None, None
+        q, k, v, log_fgate, out, *lses = ctx.saved_tensors
+        where, group = ctx.where, ctx.group
+        k_seq, v_seq, g_seq = (_gather_prefix(t, group, where.lengths, where.pieces, ctx.needed)
+                               for t in (k, v, log_fgate))
+        dq = torch.empty_like(q)
+        dk_seq, dv_seq = torch.zeros_like(k_seq), torch.zeros_like(v_seq)
+        dg_seq = torch.zeros_like(g_seq)
+        for (start, offset, n), lse in zip(where.mine, lses):
+            piece = slice(offset, offset + n)
+            dq_i, dk_i, dv_i, dg_i = torch.ops.fox.forgetting_attention_bwd(
+                grad[:, piece].contiguous(), q[:, piece], k_seq[:, :start + n],
+                v_seq[:, :start + n], g_seq[:, :start + n], out[:, piece], lse, None, None,
+                ctx.sm_scale, ctx.adaptive_threshold, None)
+            dq[:, piece] = dq_i
+            dk_seq[:, :start + n] += dk_i
+            dv_seq[:, :start + n] += dv_i
+            dg_seq[:, :start + n] += dg_i.to(dg_seq.dtype)
+        dk, dv, dg = (_reduce_to_owners(t, group, where.lengths, where.pieces)
+                      for t in (dk_seq, dv_seq, dg_seq))
+        return dq, dk, dv, dg, None, None, None, None
 
 
 class _SequenceLayout:
@@ -147,15 +190,16 @@ def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayou
 
 def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold):
     """The local queries against the prefix of the sequence each of their pieces needs."""
-    needed = max(start + n for start, _, n in where.mine)
-    k_seq = _GatherSequence.apply(k, group, where.lengths, where.pieces, needed)
-    v_seq = _GatherSequence.apply(v, group, where.lengths, where.pieces, needed)
-    g_seq = _GatherSequence.apply(log_fgate, group, where.lengths, where.pieces, needed)
-    outs = [forgetting_attention(q[:, offset:offset + n], k_seq[:, :start + n],
-                                 v_seq[:, :start + n], g_seq[:, :start + n], sm_scale=sm_scale,
-                                 adaptive_threshold=adaptive_threshold)
-            for start, offset, n in where.mine]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    if torch.is_autocast_enabled(q.device.type):
+        # As the op's autocast kernel: q, k, v in the autocast dtype, the gates in float32.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                   for t in (q, k, v))
+        if log_fgate.dtype != torch.float64:
+            log_fgate = log_fgate.float()
+    with torch.autocast(q.device.type, enabled=False):
+        return _GatheredAttention.apply(q, k, v, log_fgate, group, where, sm_scale,
+                                        adaptive_threshold)
 
 
 class _PreviousTokens(torch.autograd.Function):

@@ -50,9 +50,14 @@ def main():
             start, n = sum(args.lengths[:rank]), args.lengths[rank]
             part = lambda t: t[:, start:start + n]  # noqa: E731
         mine = [part(t).detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
-        out = context_parallel_attention(*mine, layout=args.layout)
+        saved = []  # bytes kept for the backward pass
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            out = context_parallel_attention(*mine, layout=args.layout)
         out.backward(part(grad_out))
-        torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine]},
+        local = sum(t.numel() * t.element_size() for t in mine + [out])
+        torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine],
+                    "saved_bytes": sum(saved), "local_bytes": local},
                    os.path.join(args.out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -49,6 +49,9 @@ def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, ranks=None
         out = join([p["out"] for p in parts])
         grads = [join([p["grads"][j] for p in parts]) for j in range(4)]
         results[name] = (out, grads)
+        for p in parts:  # the gathered sequence is not kept: local tensors and the lse only
+            lse_bound = p["out"].shape[0] * p["out"].shape[1] * p["out"].shape[2] * 8
+            assert 0 < p["saved_bytes"] <= p["local_bytes"] + lse_bound, (name, p["saved_bytes"])
     return results
 
 
