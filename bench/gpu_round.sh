@@ -10,6 +10,8 @@
 #            the quick grid
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
 # model      bench_model.py (training step), for the cost of the wrapper layers
+# context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
+#            64k-256k (the same tokens per GPU), then the longest sequence that fits on each
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_round}
@@ -36,6 +38,13 @@ for stage in "$@"; do
         --no-compile 2>&1 | tee "$OUT/generate_760m.log" ;;
     model)
       python3 bench/bench_model.py 2>&1 | tee "$OUT/model.log" | tail -20 ;;
+    context_parallel)
+      for n in 1 2; do
+        python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
+          --seqlen $((32768 * n)) $((65536 * n)) $((131072 * n)) 2>&1 | tee -a "$OUT/context_parallel.log"
+        python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
+          --longest 2>&1 | tee -a "$OUT/context_parallel.log"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

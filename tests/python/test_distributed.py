@@ -284,3 +284,20 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_context_parallel_benchmark_runs():
+    """bench/bench_context_parallel.py on 2 CPU processes with its toy model (a smoke test of the
+    script that measures the model under context parallelism on GPUs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    script = Path(__file__).parents[2] / "bench" / "bench_context_parallel.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+                        "--device", "cpu", "--tiny", "--seqlen", "64", "--reps", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "| 2 | 64 |" in r.stdout, r.stdout
