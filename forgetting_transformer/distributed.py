@@ -183,8 +183,6 @@ class _SequenceLayout:
 
 
 def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayout:
-    if layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     return _SequenceLayout(_chunk_lengths(length, group, device), dist.get_rank(group), layout, who)
 
 

@@ -316,6 +316,15 @@ def savings_model(tied, device, dtype):
     return randomized(fnn.ForgettingTransformerForCausalLM(c)).to(device, dtype), c
 
 
+def savings_case(device, dtype, tied):
+    """(autocast dtype or None, model, config, ids, labels) of a savings test; float64 is CPU's."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 runs on the CPU backend")
+    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
+    model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
+    return (autocast, model, c) + savings_batch(device)
+
+
 def savings_batch(device):
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(0, 53, (2, 24), generator=g), torch.randint(0, 53, (2, 24), generator=g)
@@ -330,12 +339,8 @@ def test_gated_recompute_same_loss_and_gradients(device, dtype, tied, monkeypatc
     """GatedMLP without the product act(g) * u kept for the backward, the attention layer without
     its gated output: bitwise the same loss and gradients, and at least the products' bytes (rows
     x (intermediate + hidden) per layer) less kept."""
-    if device == "cuda" and dtype == torch.float64:
-        pytest.skip("float64 runs on the CPU backend")
-    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
-    model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
-    ids, labels = savings_batch(device)
-    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_RECOMPUTE_GATED": "0"}
+    autocast, model, c, ids, labels = savings_case(device, dtype, tied)
+    off = SAVINGS_OFF
     loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
     loss_r, grads_r, kept_r = savings_step(model, ids, labels, {"FOX_LOSS_CHUNK_ROWS": "0"},
                                            monkeypatch, autocast)
@@ -355,12 +360,8 @@ def test_chunked_loss_matches_whole_logits(device, dtype, tied, monkeypatch):
     logits made again in the backward: float64 agrees to 1e-12 with the whole-logits path; float32
     and bf16 autocast keep the 2x rule against the float64 model (the whole-logits path in the
     same dtype as the naive result). The logits are no longer kept for the backward."""
-    if device == "cuda" and dtype == torch.float64:
-        pytest.skip("float64 runs on the CPU backend")
-    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
-    model, c = savings_model(tied, device, torch.float32 if autocast else dtype)
-    ids, labels = savings_batch(device)
-    off = {"FOX_LOSS_CHUNK_ROWS": "0", "FOX_RECOMPUTE_GATED": "0"}
+    autocast, model, c, ids, labels = savings_case(device, dtype, tied)
+    off = SAVINGS_OFF
     chunked = {"FOX_LOSS_CHUNK_ROWS": "7", "FOX_RECOMPUTE_GATED": "0"}
     loss, grads, kept = savings_step(model, ids, labels, off, monkeypatch, autocast)
     loss_c, grads_c, kept_c = savings_step(model, ids, labels, chunked, monkeypatch, autocast)
