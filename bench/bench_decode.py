@@ -13,6 +13,8 @@ cache of GQA models at head dim 64), interleaved with the other two.
     python3 bench/bench_decode.py --quick --tq 1 4 16 --out DIR
     python3 bench/bench_decode.py --profile 1,32,4,64,2048 8,16,16,128,32768   # B,H,Hkv,D,Tk:
                                                   # the kernels of each side, with their times
+    python3 bench/bench_decode.py --ab FOX_DECODE_CLUSTER_MERGE=0   # a last column: ours with
+                                                  # that switch set (the op reads it per call)
 """
 import argparse
 import json
@@ -50,6 +52,21 @@ def timed_side_by_side(fns, flush, reps):
             torch.cuda.synchronize()
             t.append(start.elapsed_time(end) * 1e3)
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def with_env(fn, name, value):
+    """fn run with the environment variable set (the op reads its switches at each call)."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
 
 
 def copy_bandwidth(flush):
@@ -116,6 +133,8 @@ def main():
     ap.add_argument("--out", default=None, help="write decode.json and decode.md here")
     ap.add_argument("--shapes", nargs="+", metavar="B,H,HKV,D,TK",
                     help="time these shapes instead of the grid")
+    ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
+                    help="also time ours with this environment switch set (a last column)")
     ap.add_argument("--profile", nargs="+", metavar="B,H,HKV,D,TK",
                     help="only list the kernels of these shapes with their times")
     args = ap.parse_args()
@@ -135,6 +154,10 @@ def main():
     if args.f16_gates:
         header += " floor f16 us | ours f16 us | f16/SDPA | f16 % of bw |"
         columns += 4
+    if args.ab:
+        ab_name, ab_value = args.ab.split("=", 1)
+        header += f" ours, {args.ab} us | that/ours |"
+        columns += 2
     print(header + "\n" + "|---" * columns + "|")
     shapes = ([tuple(int(x) for x in sh.split(",")) for sh in args.shapes] if args.shapes else
               [(B, H, Hkv, D, Tk) for B in grid_b for H, Hkv in GRID_HEADS for D in GRID_D
@@ -145,8 +168,10 @@ def main():
             gate_bytes = 4 * B * Tk * H
             if (kv_bytes + gate_bytes) / 2**30 > args.max_gib:
                 continue
-            times = timed_side_by_side(
-                list(decode_inputs(B, tq, H, Hkv, D, Tk, dtype, args.f16_gates)), flush, args.reps)
+            fns = list(decode_inputs(B, tq, H, Hkv, D, Tk, dtype, args.f16_gates))
+            if args.ab:
+                fns.append(with_env(fns[0], ab_name, ab_value))
+            times = timed_side_by_side(fns, flush, args.reps)
             ours, sdpa = times[:2]
             floor_ours = (kv_bytes + gate_bytes) / bandwidth * 1e6
             floor_sdpa = kv_bytes / bandwidth * 1e6
@@ -163,6 +188,9 @@ def main():
                            f16_bw_fraction=floor16 / ours16)
                 line += (f" {floor16:.1f} | {ours16:.1f} | {ours16 / sdpa:.2f} | "
                          f"{100 * floor16 / ours16:.0f}% |")
+            if args.ab:
+                row.update(ab_us=times[-1], ab_ratio=times[-1] / ours)
+                line += f" {times[-1]:.1f} | {times[-1] / ours:.2f} |"
             rows.append(row)
             print(line, flush=True)
             torch.cuda.empty_cache()
@@ -170,6 +198,11 @@ def main():
     within = sum(r["ratio"] <= 1.1 for r in rows)
     print(f"{within}/{len(rows)} shapes within 1.1x of SDPA; worst {worst['ratio']:.2f}x at "
           f"B={worst['B']} H={worst['H']}/{worst['Hkv']} D={worst['D']} Tk={worst['Tk']}")
+    if args.ab:
+        ab = sorted(r["ab_ratio"] for r in rows)
+        print(f"{args.ab} against the default: median {ab[len(ab) // 2]:.3f}x, "
+              f"{ab[0]:.2f}-{ab[-1]:.2f}x; within 1.1x of SDPA with it: "
+              f"{sum(r['ab_us'] / r['sdpa_us'] <= 1.1 for r in rows)}/{len(rows)}")
     if args.f16_gates:
         best = [min(r["ratio"], r["f16_ratio"]) for r in rows]
         print(f"float16 gates: {sum(r['f16_ratio'] <= 1.1 for r in rows)}/{len(rows)} within 1.1x; "

@@ -13,6 +13,7 @@ the mean context (K, V and, for FoX, log f) over the measured copy bandwidth.
     python3 bench/bench_generate.py --gate-cache --kv-heads 4 --prompt 32768   # float16 gate cache
 """
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -127,26 +128,57 @@ def profile_step(model, B, prompt, steps=10):
                                     max_name_column_width=90))
 
 
-def gate_cache_table(args):
-    """Our graph-replayed step with the static cache's gates in float32 and in float16, side by
-    side (interleaved, median of 3), for a GQA variant of the model (--kv-heads)."""
+def interleaved_table(args, title, columns, variant):
+    """Our graph-replayed step in two variants side by side (interleaved, median of 3): variant(v)
+    is a context manager and the GenerationOptions of variant v (v = 0, 1)."""
     fox = fox_model(args.model, args.kv_heads)
     hidden, layers, heads = SIZES[args.model]
-    print(f"{torch.cuda.get_device_name()}: {args.model} FoX (Pro) with {heads}/{args.kv_heads} "
-          f"heads, bf16, graph replay, {args.new} new tokens")
-    print("| B | prompt | float32 gates ms/token | float16 gates ms/token | ratio |\n|---|---|---|---|---|")
+    print(f"{torch.cuda.get_device_name()}: {args.model} FoX (Pro) with {heads}/"
+          f"{args.kv_heads or heads} heads, bf16, graph replay, {args.new} new tokens; {title}")
+    print(f"| B | prompt | {columns[0]} ms/token | {columns[1]} ms/token | ratio |\n"
+          "|---|---|---|---|---|")
     for prompt in args.prompt:
         for B in args.batch:
             ids = torch.randint(0, VOCAB, (B, prompt), device="cuda")
             time_fox(fox, ids[:, :64], 8)
-            times = {None: [], torch.float16: []}
+            times = ([], [])
             for _ in range(3):
-                for g in times:
-                    times[g].append(time_fox(fox, ids, args.new, gate_cache_dtype=g)[1])
-            f32, f16 = (sorted(times[g])[1] * 1e3 for g in (None, torch.float16))
-            print(f"| {B} | {prompt} | {f32:.3f} | {f16:.3f} | {f16 / f32:.3f} |", flush=True)
+                for v in (0, 1):
+                    context, options = variant(v)
+                    with context:
+                        times[v].append(time_fox(fox, ids, args.new, **options)[1])
+            a, b = (sorted(t)[1] * 1e3 for t in times)
+            print(f"| {B} | {prompt} | {a:.3f} | {b:.3f} | {b / a:.3f} |", flush=True)
             del ids
             torch.cuda.empty_cache()
+
+
+def gate_cache_table(args):
+    """float32 against float16 gate caches, for a GQA variant of the model (--kv-heads)."""
+    interleaved_table(args, "the static cache's gates", ("float32 gates", "float16 gates"),
+                      lambda v: (contextlib.nullcontext(),
+                                 dict(gate_cache_dtype=torch.float16) if v else {}))
+
+
+@contextlib.contextmanager
+def environment(name, value):
+    """The variable set while the session captures its graph (the op reads its switches then)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def ab_table(args):
+    """The default against a switch set (--ab VAR=VALUE)."""
+    name, value = args.ab.split("=", 1)
+    interleaved_table(args, f"default against {args.ab}", ("default", args.ab),
+                      lambda v: (environment(name, value) if v else contextlib.nullcontext(), {}))
 
 
 def main():
@@ -164,7 +196,11 @@ def main():
                     help="with --gate-cache: key/value heads of the GQA variant")
     ap.add_argument("--gate-cache", action="store_true",
                     help="only ours with float32 against float16 gate caches (GQA: --kv-heads)")
+    ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
+                    help="only ours, default against this environment switch set")
     args = ap.parse_args()
+    if args.ab:
+        return ab_table(args)
     if args.gate_cache:
         return gate_cache_table(args)
     if args.profile:

@@ -214,3 +214,15 @@ def test_cuda_graph_replay_with_new_lengths():
         graph.replay()
         eager = fwd(q, k, v, g, None, None, None, None, lengths)
         assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8, 16, 17])
+@pytest.mark.parametrize("H,Hkv,Tq,D", [(8, 8, 1, 128), (32, 4, 1, 64), (8, 2, 16, 128)])
+def test_forced_splits_with_empty_chunks(monkeypatch, splits, H, Hkv, Tq, D):
+    # The cache cut into a given number of chunks (FOX_DECODE_SPLITS, read at each call), with
+    # rows too short to give every chunk a key: the empty chunks must weigh nothing in the merge.
+    monkeypatch.setenv("FOX_DECODE_SPLITS", str(splits))
+    B, Tk = 3, 5000
+    q, k, v, g = make_inputs(B, Tq, Tk, H, Hkv, D, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    check_forward(q, k, v, g, cache_seqlens=torch.tensor([Tk, 700, Tq], device="cuda"))

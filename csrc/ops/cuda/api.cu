@@ -92,10 +92,8 @@ bool decode_kernel_enabled() {
 // shapes and the device only (never of the lengths in device memory), so a captured CUDA graph
 // replays the same plan. FOX_DECODE_SPLITS overrides it (tuning).
 int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
-  static const int override_splits = [] {
-    const char* v = std::getenv("FOX_DECODE_SPLITS");
-    return v ? std::atoi(v) : 0;
-  }();
+  const char* override_env = std::getenv("FOX_DECODE_SPLITS");  // read per call: tests set it
+  const int override_splits = override_env ? std::atoi(override_env) : 0;
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
   const int64_t keys_per_tile = decode_keys_per_tile(static_cast<int>(p.head_dim));
