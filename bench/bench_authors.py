@@ -1,0 +1,152 @@
+"""The training step of our model against the authors' implementation (their
+ForgettingTransformerForCausalLM with its Triton kernels and fused norm / loss), the same 125M-class
+configuration, side by side in one process: tokens/s, model FLOP utilization, peak memory.
+
+    python3 bench/bench_authors.py --authors-src PATH/forgetting-transformer/src \\
+        --archs fox_pro,fox_llama --shapes 4x4096 1x16384
+
+--authors-src is the `src` folder of the authors' repository (github.com/zhixuan-lin/
+forgetting-transformer; it needs triton and einops). Their package has our package's name: it is
+imported from there first, its modules are then taken out of sys.modules, and ours stays what
+`forgetting_transformer` means.
+
+Both run forward + backward of the mean token loss under bf16 autocast with float32 parameters,
+the same random tokens, the steps interleaved (median of each side's steps). Peak memory: the
+largest allocation during a step with the gradients of the step before still held (the state
+inside a training loop, optimizer state aside), and from zero gradients.
+"""
+import argparse
+import importlib
+import inspect
+import statistics
+import sys
+
+import torch
+
+from bench_model import fox_training_step, mfu, model_125m, training_flops_per_token
+
+# The configuration fields both implementations name alike (ours copies the authors' names).
+SHARED_FIELDS = ("vocab_size", "hidden_size", "hidden_ratio", "intermediate_size",
+                 "num_hidden_layers", "num_heads", "num_kv_heads", "hidden_act",
+                 "initializer_range", "norm_eps", "tie_word_embeddings", "rope_base", "use_rope",
+                 "use_output_gate", "ogate_act", "fgate_type", "fgate_bias_init", "decay_time_min",
+                 "decay_time_max", "use_output_norm", "qk_norm", "qk_norm_share_param_across_head",
+                 "use_k_shift", "use_v_shift", "log_pruning_tolerance")
+
+
+def load_authors(src):
+    """(config class, model class) of the authors' package at src, imported under its own name
+    and then removed from sys.modules, so that our package keeps the name."""
+    def ours_or_theirs():
+        return [k for k in sys.modules
+                if k == "forgetting_transformer" or k.startswith("forgetting_transformer.")]
+    saved = {k: sys.modules.pop(k) for k in ours_or_theirs()}
+    sys.path.insert(0, src)
+    try:
+        module = importlib.import_module("forgetting_transformer.model.forgetting_transformer")
+        return module.ForgettingTransformerConfig, module.ForgettingTransformerForCausalLM
+    finally:
+        sys.path.remove(src)
+        for k in ours_or_theirs():
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def authors_model(classes, ours):
+    """Their model with our configuration's values and our model's weights (their fast paths on:
+    fused norm and loss)."""
+    config_class, model_class = classes
+    accepted = inspect.signature(config_class.__init__).parameters
+    values = {f: getattr(ours.config, f) for f in SHARED_FIELDS if f in accepted}
+    config = config_class(**values, fuse_norm=True, fuse_cross_entropy=True, use_cache=False)
+    model = model_class(config).cuda()
+    # The parameters have the same names and shapes: the same weights, so the losses must agree.
+    model.load_state_dict(ours.state_dict())
+    return model
+
+
+def authors_training_step(model, ids, labels):
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        return loss
+    return step
+
+
+def interleaved_ms(steps, reps):
+    """Median ms per step of each closure, the closures alternating step by step."""
+    for step in steps:
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    times = [[] for _ in steps]
+    for _ in range(reps):
+        for step, t in zip(steps, times):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            t.append(a.elapsed_time(b))
+    return [statistics.median(t) for t in times]
+
+
+def peaks_gib(model, step):
+    """(peak with the previous step's gradients held, peak from zero gradients), GiB."""
+    out = []
+    for held in (True, False):
+        step()
+        if not held:
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        out.append(torch.cuda.max_memory_allocated() / 2**30)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--authors-src", required=True, help="the authors' repository's src folder")
+    ap.add_argument("--archs", default="fox_pro,fox_llama")
+    ap.add_argument("--shapes", nargs="+", default=["4x4096", "1x16384"], metavar="BxT")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    classes = load_authors(args.authors_src)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
+          f"{args.layers} layers, 12 heads, vocab {args.vocab}, bf16 autocast, fwd+bwd")
+    print("| model | B x T | ours k tokens/s (MFU) | authors' k tokens/s (MFU) | ratio | ours peak "
+          "GiB (held / from zero) | authors' peak GiB | peak ratio | loss (ours / authors') |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arch in args.archs.split(","):
+        for shape in args.shapes:
+            B, T = (int(x) for x in shape.split("x"))
+            _, ours = model_125m(arch, args)
+            theirs = authors_model(classes, ours)
+            ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+            labels = torch.randint(0, args.vocab, (B, T), device="cuda")
+            our_step = fox_training_step(ours, ids, labels)
+            their_step = authors_training_step(theirs, ids, labels)
+            losses = our_step().item(), their_step().item()
+            ours_peak = peaks_gib(ours, our_step)
+            theirs_peak = peaks_gib(theirs, their_step)
+            t_ours, t_theirs = interleaved_ms([our_step, their_step], args.reps)
+            flops = training_flops_per_token(ours, T)
+            tok = B * T / 1e3
+            print(f"| {arch} | {B} x {T} | {tok / t_ours * 1e3:,.0f} "
+                  f"({mfu(tok / t_ours * 1e6, flops):.1%}) | {tok / t_theirs * 1e3:,.0f} "
+                  f"({mfu(tok / t_theirs * 1e6, flops):.1%}) | {t_theirs / t_ours:.2f} | "
+                  f"{ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
+                  f"{theirs_peak[1]:.2f} | {ours_peak[0] / theirs_peak[0]:.2f} | "
+                  f"{losses[0]:.4f} / {losses[1]:.4f} |", flush=True)
+            del ours, theirs, our_step, their_step
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
