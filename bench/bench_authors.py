@@ -10,10 +10,11 @@ forgetting-transformer; it needs triton and einops). Their package has our packa
 imported from there first, its modules are then taken out of sys.modules, and ours stays what
 `forgetting_transformer` means.
 
-Both run forward + backward of the mean token loss under bf16 autocast with float32 parameters,
-the same random tokens, the steps interleaved (median of each side's steps). Peak memory: the
-largest allocation during a step with the gradients of the step before still held (the state
-inside a training loop, optimizer state aside), and from zero gradients.
+Both run forward + backward of the mean token loss under bf16 autocast with float32 parameters and
+the same weights (the losses agree), the same random tokens, the gradients set to None before each
+step as a training loop does, the steps interleaved (median of each side's steps). Peak memory:
+the largest allocation during a step with the gradients of the step before still held, and from
+zero gradients (optimizer state aside).
 """
 import argparse
 import importlib
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from bench_model import fox_training_step, mfu, model_125m, training_flops_per_token
+from bench_model import mfu, model_125m, training_flops_per_token
 
 # The configuration fields both implementations name alike (ours copies the authors' names).
 SHARED_FIELDS = ("vocab_size", "hidden_size", "hidden_ratio", "intermediate_size",
@@ -65,10 +66,19 @@ def authors_model(classes, ours):
     return model
 
 
-def authors_training_step(model, ids, labels):
+def training_step(model, ids, labels, authors, fresh_gradients=True):
+    """forward + backward of the mean token loss under bf16 autocast, as a closure. With
+    fresh_gradients the gradients are set to None first, as a training loop's zero_grad() does
+    (else the backward adds into the gradients of the step before: a float32 add per parameter,
+    ~3 ms a step for either model)."""
     def step():
+        if fresh_gradients:
+            model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            if authors:
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss.float().mean()
+            else:
+                loss = model(ids, labels=labels).float().mean()
         loss.backward()
         return loss
     return step
@@ -92,8 +102,12 @@ def interleaved_ms(steps, reps):
     return [statistics.median(t) for t in times]
 
 
-def peaks_gib(model, step):
-    """(peak with the previous step's gradients held, peak from zero gradients), GiB."""
+def peaks_gib(model, step, other):
+    """(peak with the previous step's gradients held, peak from zero gradients), GiB, of model's
+    step (fresh_gradients=False), without the other model's parameters (its gradients are
+    dropped first): both models live on the GPU, and the allocator counts both."""
+    other.zero_grad(set_to_none=True)
+    other_bytes = sum(p.numel() * p.element_size() for p in other.parameters())
     out = []
     for held in (True, False):
         step()
@@ -104,7 +118,7 @@ def peaks_gib(model, step):
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        out.append(torch.cuda.max_memory_allocated() / 2**30)
+        out.append((torch.cuda.max_memory_allocated() - other_bytes) / 2**30)
     return out
 
 
@@ -130,11 +144,11 @@ def main():
             theirs = authors_model(classes, ours)
             ids = torch.randint(0, args.vocab, (B, T), device="cuda")
             labels = torch.randint(0, args.vocab, (B, T), device="cuda")
-            our_step = fox_training_step(ours, ids, labels)
-            their_step = authors_training_step(theirs, ids, labels)
+            our_step = training_step(ours, ids, labels, authors=False)
+            their_step = training_step(theirs, ids, labels, authors=True)
             losses = our_step().item(), their_step().item()
-            ours_peak = peaks_gib(ours, our_step)
-            theirs_peak = peaks_gib(theirs, their_step)
+            ours_peak = peaks_gib(ours, training_step(ours, ids, labels, False, False), theirs)
+            theirs_peak = peaks_gib(theirs, training_step(theirs, ids, labels, True, False), ours)
             t_ours, t_theirs = interleaved_ms([our_step, their_step], args.reps)
             flops = training_flops_per_token(ours, T)
             tok = B * T / 1e3
