@@ -236,6 +236,51 @@ def memory_census(args, top=16):
         torch.cuda.empty_cache()
 
 
+def ab_table(args, reps=20):
+    """fox_torch's step, default against an environment switch set (--ab VAR=VALUE): the two
+    alternate step by step in one process, median of each; the losses must agree."""
+    name, value = args.ab.split("=", 1)
+    B, T = args.batch, args.seqlen
+    print(f"# {torch.cuda.get_device_name()}; 125M-class, B={B}, T={T}, bf16 autocast, fwd+bwd, "
+          f"gradients set to None before each step")
+    print(f"| model | default ms | {args.ab} ms | ratio | loss (default / switched) |\n"
+          "|---|---|---|---|---|")
+    for arch in args.archs.split(","):
+        _, model = model_125m(arch, args)
+        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+        plain = fox_training_step(model, ids, ids)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            return plain()
+
+        def switched():
+            os.environ[name] = value
+            try:
+                return step()
+            finally:
+                del os.environ[name]
+
+        losses = step().item(), switched().item()
+        for fn in (step, switched):
+            fn()
+        torch.cuda.synchronize()
+        times = ([], [])
+        for _ in range(reps):
+            for fn, t in zip((step, switched), times):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                t.append(a.elapsed_time(b))
+        t0, t1 = (statistics.median(t) for t in times)
+        print(f"| {arch} | {t0:.1f} | {t1:.1f} | {t1 / t0:.3f} | {losses[0]:.4f} / {losses[1]:.4f} |",
+              flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", type=int, default=4096)
@@ -250,10 +295,15 @@ def main():
     ap.add_argument("--checkpoint-activations", action="store_true",
                     help="only the table of fox_torch with and without per-block activation "
                          "checkpointing (tokens/s, peak memory)")
+    ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
+                    help="only fox_torch, default against this environment switch set, the steps "
+                         "interleaved (the switches are read at each call)")
     ap.add_argument("--memory", action="store_true",
                     help="only the memory census of a training step (peak, saved tensors), with "
                          "the memory savings off and on, and the step time of each")
     args = ap.parse_args()
+    if args.ab:
+        return ab_table(args)
     if args.checkpoint_activations:
         return checkpointing_table(args)
     if args.memory:

@@ -127,6 +127,58 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
   }
 };
 
+// {x + delta, rms_norm(x + delta)} with autograd: a residual stream (x, float32 in a training step
+// under autocast) plus a branch (delta, x's dtype or half precision), and the next norm. The
+// backward adds the stream's own gradient inside the norm's backward kernel and writes the
+// branch's gradient in its dtype in the same pass: bitwise the add, the cast and the norm as
+// separate autograd steps, in one kernel each way instead of three.
+struct AddRMSNormFunction : public torch::autograd::Function<AddRMSNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& delta,
+                               const std::optional<torch::Tensor>& weight_in, double eps,
+                               torch::ScalarType out_dtype) {
+    const auto weight = weight_in.value_or(torch::Tensor());
+    auto x2 = rows_view(x), d2 = rows_view(delta);
+    auto w = weight.defined() ? weight.contiguous() : torch::Tensor();
+    if (w.defined() && w.scalar_type() != torch::kFloat32 && w.scalar_type() != x.scalar_type())
+      w = w.to(torch::kFloat32);
+    auto sum = torch::empty(x.sizes(), x.options());
+    auto y = torch::empty(x.sizes(), x.options().dtype(out_dtype));
+    auto rstd = torch::empty({x2.size(0), 1}, x.options().dtype(torch::kFloat32));
+    cuda::rms_norm_forward(x2, w, x2.size(1), eps, y.view({-1, x2.size(1)}), rstd, d2,
+                           sum.view({-1, x2.size(1)}));
+    ctx->save_for_backward({sum, w, rstd});
+    ctx->saved_data["weight_dtype"] =
+        weight.defined() ? int64_t(weight.scalar_type()) : int64_t(torch::kFloat32);
+    ctx->saved_data["delta_dtype"] = int64_t(delta.scalar_type());
+    return {sum, y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto sum2 = rows_view(saved[0]);
+    const auto& rstd = saved[2];
+    const auto w = saved[1].defined() ? saved[1].to(torch::kFloat32) : saved[1];
+    const auto sizes = saved[0].sizes();
+    const auto delta_dtype = torch::ScalarType(ctx->saved_data["delta_dtype"].toInt());
+    torch::Tensor dsum = grads[0].defined() ? aligned(rows_view(grads[0])) : torch::Tensor();
+    torch::Tensor dy = grads[1].defined() ? aligned(rows_view(grads[1]))
+                                          : torch::zeros(sum2.sizes(), sum2.options());
+    auto dx = torch::empty(sum2.sizes(), sum2.options());
+    torch::Tensor ddelta;
+    if (ctx->needs_input_grad(1) && delta_dtype != sum2.scalar_type())
+      ddelta = torch::empty(sum2.sizes(), sum2.options().dtype(delta_dtype));
+    torch::Tensor dw;
+    if (w.defined() && ctx->needs_input_grad(2)) dw = torch::empty({sum2.size(1)}, rstd.options());
+    cuda::rms_norm_backward(dy, sum2, w, rstd, sum2.size(1), dx, dw, dsum, ddelta);
+    if (dw.defined()) dw = dw.to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
+    dx = dx.view(sizes);
+    if (ctx->needs_input_grad(1)) ddelta = ddelta.defined() ? ddelta.view(sizes) : dx;
+    return {ctx->needs_input_grad(0) ? dx : torch::Tensor(), ddelta, dw, torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
 // The fused functions below see inputs of one dtype (the callers check it).
 struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& cur_in,
@@ -415,6 +467,29 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
       cuda::rms_norm_forward(x2, w.defined() ? w.contiguous() : w, C, eps, y.view({-1, C}), rstd,
                              d2, sum.view({-1, C}));
       return {sum, y};
+    }
+  }
+  // With autograd (a training step): the fused function where the kernels take these tensors.
+  // FOX_FUSED_ADD_NORM=0: the separate steps (comparisons; read at each call).
+  const char* switch_env = std::getenv("FOX_FUSED_ADD_NORM");
+  const bool switched_off = switch_env != nullptr && std::string(switch_env) == "0";
+  if (!switched_off && fused(x) && fused(delta) && x.numel() > 0 && delta.device() == x.device() &&
+      (delta.scalar_type() == x.scalar_type() ||
+       (x.scalar_type() == torch::kFloat32 && delta.scalar_type() != torch::kFloat32)) &&
+      (!weight.defined() || (weight.dim() == 1 && weight.size(0) == C &&
+                             (weight.scalar_type() == torch::kFloat32 ||
+                              weight.scalar_type() == x.scalar_type())))) {
+    auto out_dtype = x.scalar_type();
+    if (out_dtype == torch::kFloat32 && at::autocast::is_autocast_enabled(x.device().type()))
+      out_dtype = at::autocast::get_autocast_dtype(x.device().type());
+    // The kernel writes y of a half-precision branch's dtype for a float32 stream.
+    const bool kernel_dtypes = delta.scalar_type() == x.scalar_type() || out_dtype == delta.scalar_type();
+    auto x2 = rows_view(x), d2 = rows_view(delta);
+    if (kernel_dtypes && rows_fit(C, C, {x2, d2})) {
+      auto outs = AddRMSNormFunction::apply(
+          x, delta, weight.defined() ? std::optional<torch::Tensor>(weight) : std::nullopt, eps,
+          out_dtype);
+      return {outs[0], outs[1]};
     }
   }
 #endif

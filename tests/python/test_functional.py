@@ -170,6 +170,44 @@ def test_add_rms_norm(device, dtype, rows):
     assert xg.grad is not None and torch.isfinite(xg.grad).all()
 
 
+@pytest.mark.parametrize("x_dtype,d_dtype,autocast", [
+    (torch.float32, torch.bfloat16, True),   # a training step: float32 stream, bf16 branch
+    (torch.float32, torch.float16, True),
+    (torch.float32, torch.float32, True),
+    (torch.float32, torch.float32, False),
+    (torch.bfloat16, torch.bfloat16, False),
+])
+def test_add_rms_norm_with_autograd_is_the_separate_steps(device, x_dtype, d_dtype, autocast):
+    """With autograd (CUDA: one fused function each way): the sum, the norm and the gradients of
+    x, delta and the weight are bitwise those of the add, the cast and rms_norm as separate
+    autograd steps, with gradients arriving through both the sum and the norm."""
+    if device == "cpu" and autocast and torch.float16 in (x_dtype, d_dtype):
+        pytest.skip("float16 autocast is a CUDA mode")
+    B, T, C = 3, 50, 192
+    x = torch.randn(B, T, C, device=device).to(x_dtype)
+    wide = torch.randn(B, T, C + 64, device=device).to(d_dtype)  # delta: a slice, as o_proj's
+    w = 1 + 0.3 * torch.randn(C, device=device)
+    g_sum, g_norm = torch.randn(B, T, C, device=device), torch.randn(B, T, C, device=device)
+    amp_dtype = d_dtype if d_dtype != torch.float32 else torch.bfloat16
+
+    def run(fused_path):
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        wd = wide.clone().requires_grad_(True)
+        d = wd[..., :C]
+        with torch.autocast(device, dtype=amp_dtype, enabled=autocast):
+            if fused_path:
+                total, normed = fused.add_rms_norm(xs, d, ws, 1e-6)
+            else:
+                total = xs + d.to(torch.promote_types(x_dtype, d_dtype))
+                normed = fused.rms_norm(total, ws, C, 1e-6)
+        ((total.float() * g_sum).sum() + (normed.float() * g_norm).sum()).backward()
+        return total, normed, xs.grad, wd.grad, ws.grad
+
+    got, expected = run(True), run(False)
+    for name, a, b in zip(["sum", "norm", "dx", "ddelta", "dweight"], got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 3])
 @torch.no_grad()

@@ -110,10 +110,11 @@ __device__ __forceinline__ void block_merge(A& a, B& b, Merge merge) {
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
 // With `delta`: the input is x + delta, rounded to x's dtype (as the separate add would) and
-// written to `sum` (the residual stream), and y is its norm.
-template <typename in_t, typename out_t, typename w_t, int VEC>
+// written to `sum` (the residual stream), and y is its norm. delta is x's dtype, or a half
+// precision branch added to a float32 stream (d_t).
+template <typename in_t, typename out_t, typename w_t, int VEC, typename d_t = in_t>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
-                                        const in_t* __restrict__ delta, int64_t d_rs,
+                                        const d_t* __restrict__ delta, int64_t d_rs,
                                         in_t* __restrict__ sum, const w_t* __restrict__ w,
                                         out_t* __restrict__ y, float* __restrict__ rstd,
                                         int64_t rows, int C, int G, float eps) {
@@ -144,13 +145,17 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
   store(y + row * C + c, v);
 }
 
-// dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r.
-template <typename in_t, typename grad_t, int VEC>
+// dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r. With dsum (x's dtype): dx + dsum, the
+// gradient of a residual stream that is both normed and passed on; with dx_cast it is also
+// written there in that dtype (the gradient of the branch added to the stream).
+template <typename in_t, typename grad_t, int VEC, typename d_t = in_t>
 __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
                                          const in_t* __restrict__ x, int64_t x_rs,
                                          const float* __restrict__ w,
                                          const float* __restrict__ rstd, in_t* __restrict__ dx,
-                                         int64_t rows, int C, int G) {
+                                         int64_t rows, int C, int G,
+                                         const in_t* __restrict__ dsum = nullptr,
+                                         int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr) {
   const int64_t row = block_row();
   const bool active = row < rows;
   const int c = threadIdx.x * VEC;
@@ -171,7 +176,14 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
   if (!active) return;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
+  if (dsum) {
+    float ds[VEC];
+    load(dsum + row * ds_rs + c, ds);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
+  }
   store(dx + row * C + c, g);
+  if (dx_cast) store(dx_cast + row * C + c, g);
 }
 
 // dweight partial sums: thread per channel, block row per chunk of rows (coalesced over channels);
@@ -469,6 +481,11 @@ __global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, i
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
+#define FOX_HALF_TYPES(TYPE, NAME, ...)                         \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 #define FOX_VEC_SWITCH(vec, ...)   \
   switch (vec) {                   \
     case 8: {                      \
@@ -552,9 +569,12 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   const int64_t rows = x.size(0);
   const int C = int(x.size(1));
   if (rows == 0) return;
-  TORCH_CHECK(!delta.defined() || (sum.defined() && delta.scalar_type() == x.scalar_type() &&
-                                   sum.scalar_type() == x.scalar_type()),
-              "rms_norm_forward: delta and sum must both be given, of x's dtype");
+  const bool mixed = delta.defined() && delta.scalar_type() != x.scalar_type();
+  TORCH_CHECK(!delta.defined() || (sum.defined() && sum.scalar_type() == x.scalar_type()),
+              "rms_norm_forward: delta and sum must both be given, sum of x's dtype");
+  TORCH_CHECK(!mixed || (x.scalar_type() == at::kFloat && delta.scalar_type() == y.scalar_type()),
+              "rms_norm_forward: a delta of another dtype than x's needs float32 x and y of "
+              "delta's dtype");
   const int vec = checked_width(C, group, {x, y, delta, sum});
   const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -563,12 +583,25 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   const bool float_weight = !weight.defined() || weight.scalar_type() == at::kFloat;
   TORCH_CHECK(float_weight || weight.scalar_type() == x.scalar_type(),
               "rms_norm_forward: weight must be float32 or x's dtype");
+  const int64_t d_rs = delta.defined() ? delta.stride(0) : 0;
+  if (mixed) {  // a float32 residual stream plus a half-precision branch, y in the branch's dtype
+    FOX_HALF_TYPES(delta.scalar_type(), "rms_norm_forward", [&] {
+      FOX_VEC_SWITCH(vec, [&] {
+        C10_CUDA_CHECK(launch_dependent(
+            rms_norm_forward_kernel<float, scalar_t, float, VEC, scalar_t>, L.grid, L.block,
+            L.smem, stream, x.data_ptr<float>(), x.stride(0), delta.data_ptr<scalar_t>(), d_rs,
+            sum.data_ptr<float>(), optional_float(weight), y.data_ptr<scalar_t>(),
+            rstd.data_ptr<float>(), rows, C, int(group), float(eps)));
+      });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_forward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(y.scalar_type(), "rms_norm_forward", [&] {
       FOX_VEC_SWITCH(vec, [&] {
         const in_t* d = optional_ptr<in_t>(delta);
-        const int64_t d_rs = delta.defined() ? delta.stride(0) : 0;
         if (float_weight) {
           C10_CUDA_CHECK(launch_dependent(
               rms_norm_forward_kernel<in_t, scalar_t, float, VEC>, L.grid, L.block, L.smem,
@@ -590,7 +623,8 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
 
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& rstd, int64_t group, const at::Tensor& dx,
-                       const at::Tensor& dweight) {
+                       const at::Tensor& dweight, const at::Tensor& dsum,
+                       const at::Tensor& dx_cast) {
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
   const int C = int(x.size(1));
@@ -599,18 +633,39 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     if (dweight.defined()) dweight.zero_();
     return;
   }
-  const int vec = checked_width(C, group, {x, dy, dx});
+  TORCH_CHECK(!dsum.defined() || dsum.scalar_type() == x.scalar_type(),
+              "rms_norm_backward: dsum must have x's dtype");
+  TORCH_CHECK(!dx_cast.defined() || dx_cast.scalar_type() == x.scalar_type() ||
+                  (x.scalar_type() == at::kFloat && dx_cast.scalar_type() == dy.scalar_type()),
+              "rms_norm_backward: dx_cast must have x's dtype, or dy's when x is float32");
+  const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
   const auto L = row_launch(rows, C, vec);
+  const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
+  if (dx_cast.defined() && dx_cast.scalar_type() != x.scalar_type()) {
+    // float32 x; dy and dx_cast in one half-precision dtype (see the check above)
+    FOX_HALF_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
+      FOX_VEC_SWITCH(vec, [&] {
+        rms_norm_backward_kernel<float, scalar_t, VEC, scalar_t>
+            <<<L.grid, L.block, L.smem, stream>>>(
+                dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<float>(), x.stride(0),
+                optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(), rows, C,
+                int(group), optional_ptr<float>(dsum), ds_rs, dx_cast.data_ptr<scalar_t>());
+      });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
-      FOX_VEC_SWITCH(vec, [&] {
-        rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
-            dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
-            optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
-            int(group));
-      });
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (!dx_cast.defined() || dx_cast.scalar_type() == x.scalar_type()) {
+        FOX_VEC_SWITCH(vec, [&] {
+          rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
+              dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
+              optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
+              int(group), optional_ptr<in_t>(dsum), ds_rs, optional_mut<in_t>(dx_cast));
+        });
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
       if (dweight.defined()) {
         const int64_t chunks = std::min<int64_t>(rows, 512);
         const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;

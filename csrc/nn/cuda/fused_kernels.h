@@ -17,16 +17,20 @@ namespace fox::nn::cuda {
 int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors);
 
 // y = x * rsqrt(mean_group(x^2) + eps) * weight, per group of `group` channels; rstd (rows, C/group).
-// weight (C,): float32 or x's dtype (read as it is). With delta (rows, C) of x's dtype, the input
-// is x + delta rounded to x's dtype, also written to sum (rows, C) contiguous: a residual add and
-// the next norm in one pass.
+// weight (C,): float32 or x's dtype (read as it is). With delta (rows, C), the input is x + delta
+// rounded to x's dtype, also written to sum (rows, C) contiguous, of x's dtype: a residual add and
+// the next norm in one pass. delta has x's dtype, or a half-precision dtype added to float32 x
+// (a training step's float32 residual stream and bf16 branch; then y has delta's dtype).
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta = {},
                       const at::Tensor& sum = {});
-// dx (rows, C) and, when defined, dweight (C,) float32.
+// dx (rows, C) and, when defined, dweight (C,) float32. With dsum (rows, C) of x's dtype, dx is
+// the norm's input gradient plus dsum (the residual stream's gradient that skips the norm); with
+// dx_cast (x's dtype, or dy's when x is float32) dx is also written there.
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& rstd, int64_t group, const at::Tensor& dx,
-                       const at::Tensor& dweight);
+                       const at::Tensor& dweight, const at::Tensor& dsum = {},
+                       const at::Tensor& dx_cast = {});
 
 // out[b, t] = a * cur[b, t-1] + (1 - a) * cur[b, t], a = sigmoid(logits[b, t, head]); the row
 // before t = 0 is first[b] (zeros when undefined). cur (B, T, C), logits (B, T, H): 3-D views with
