@@ -19,12 +19,11 @@ zero gradients (optimizer state aside).
 import argparse
 import importlib
 import inspect
-import statistics
 import sys
 
 import torch
 
-from bench_model import mfu, model_125m, training_flops_per_token
+from bench_model import interleaved_ms, mfu, model_125m, training_flops_per_token
 
 # The configuration fields both implementations name alike (ours copies the authors' names).
 SHARED_FIELDS = ("vocab_size", "hidden_size", "hidden_ratio", "intermediate_size",
@@ -82,24 +81,6 @@ def training_step(model, ids, labels, authors, fresh_gradients=True):
         loss.backward()
         return loss
     return step
-
-
-def interleaved_ms(steps, reps):
-    """Median ms per step of each closure, the closures alternating step by step."""
-    for step in steps:
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
-    times = [[] for _ in steps]
-    for _ in range(reps):
-        for step, t in zip(steps, times):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            t.append(a.elapsed_time(b))
-    return [statistics.median(t) for t in times]
 
 
 def peaks_gib(model, step, other):

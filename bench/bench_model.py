@@ -70,19 +70,27 @@ def eager_loss(c, p, ids, labels, block_mask):
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def time_step(step, reps=10):
-    for _ in range(3):
-        step()
+def interleaved_ms(steps, reps=10):
+    """Median ms of each closure after 3 warm-up calls, the closures alternating call by call (a
+    drift of the clocks during the run hits every side alike)."""
+    for step in steps:
+        for _ in range(3):
+            step()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in steps]
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        for step, t in zip(steps, times):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            t.append(a.elapsed_time(b))
+    return [statistics.median(t) for t in times]
+
+
+def time_step(step, reps=10):
+    return interleaved_ms([step], reps)[0]
 
 
 def print_profile(title, step, steps=3, top=30):
@@ -262,19 +270,7 @@ def ab_table(args, reps=20):
                 del os.environ[name]
 
         losses = step().item(), switched().item()
-        for fn in (step, switched):
-            fn()
-        torch.cuda.synchronize()
-        times = ([], [])
-        for _ in range(reps):
-            for fn, t in zip((step, switched), times):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                t.append(a.elapsed_time(b))
-        t0, t1 = (statistics.median(t) for t in times)
+        t0, t1 = interleaved_ms([step, switched], reps)
         print(f"| {arch} | {t0:.1f} | {t1:.1f} | {t1 / t0:.3f} | {losses[0]:.4f} / {losses[1]:.4f} |",
               flush=True)
         del model

@@ -483,7 +483,8 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
     if (out_dtype == torch::kFloat32 && at::autocast::is_autocast_enabled(x.device().type()))
       out_dtype = at::autocast::get_autocast_dtype(x.device().type());
     // The kernel writes y of a half-precision branch's dtype for a float32 stream.
-    const bool kernel_dtypes = delta.scalar_type() == x.scalar_type() || out_dtype == delta.scalar_type();
+    const bool kernel_dtypes =
+        delta.scalar_type() == x.scalar_type() || out_dtype == delta.scalar_type();
     auto x2 = rows_view(x), d2 = rows_view(delta);
     if (kernel_dtypes && rows_fit(C, C, {x2, d2})) {
       auto outs = AddRMSNormFunction::apply(

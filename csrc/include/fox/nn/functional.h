@@ -26,8 +26,10 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
                         const std::optional<torch::Tensor>& first = std::nullopt);
 
 /// rms_norm(x + delta) over the whole last dimension, returning {x + delta, its norm}: a residual
-/// add and the next block's norm. On CUDA without autograd one kernel (the sum is rounded to x's
-/// dtype before the norm, as the separate add rounds it); elsewhere the add, then rms_norm.
+/// add and the next norm. On CUDA one kernel (the sum is rounded to x's dtype before the norm, as
+/// the separate add rounds it), with autograd too (a float32 stream plus a half-precision branch
+/// under autocast; the backward is one kernel as well); elsewhere the add, then rms_norm. Either
+/// way bitwise the separate steps. FOX_FUSED_ADD_NORM=0 takes the separate steps with autograd.
 std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                      const torch::Tensor& delta,
                                                      const torch::Tensor& weight, double eps);
