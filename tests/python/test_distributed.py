@@ -142,9 +142,10 @@ except ValueError as e:
     assert "layout must be" in str(e), e
 else:
     raise AssertionError("layout='ring'")
-# a group of one holds both zigzag chunks: the op on the whole sequence
-assert torch.equal(context_parallel_attention(t, t, t, g, layout="zigzag"),
-                   forgetting_attention(t, t, t, g))
+# a group of one holds both zigzag chunks: the op on the whole sequence, to rounding (the second
+# chunk's queries are their own op call against the whole prefix)
+torch.testing.assert_close(context_parallel_attention(t, t, t, g, layout="zigzag"),
+                           forgetting_attention(t, t, t, g))
 t1, g1 = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2)
 try:  # one position cannot be cut into the 2 chunks of a group of one
     context_parallel_attention(t1, t1, t1, g1, layout="zigzag")
