@@ -148,6 +148,10 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
 // dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r. With dsum (x's dtype): dx + dsum, the
 // gradient of a residual stream that is both normed and passed on; with dx_cast it is also
 // written there in that dtype (the gradient of the branch added to the stream).
+// With dw_partial (gridDim.x, C): the weight's gradient in the same pass. Each block then walks
+// the block rows blockIdx.x, + gridDim.x, ..., every thread summing dy * xhat of its channels in
+// order, and writes its block's sums (its block rows added in order); the host adds the blocks'
+// rows in order. Without it a block takes one block row.
 template <typename in_t, typename grad_t, int VEC, typename d_t = in_t>
 __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
                                          const in_t* __restrict__ x, int64_t x_rs,
@@ -155,56 +159,56 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
                                          const float* __restrict__ rstd, in_t* __restrict__ dx,
                                          int64_t rows, int C, int G,
                                          const in_t* __restrict__ dsum = nullptr,
-                                         int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr) {
-  const int64_t row = block_row();
-  const bool active = row < rows;
+                                         int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
+                                         float* __restrict__ dw_partial = nullptr) {
   const int c = threadIdx.x * VEC;
-  float xv[VEC] = {}, g[VEC] = {};
-  float r = 0.f;
-  if (active) {
-    load(x + row * x_rs + c, xv);
-    load(dy + row * dy_rs + c, g);
-    r = rstd[row * (C / G) + c / G];
-  }
-  float dot = 0.f;
+  float dw[VEC] = {};
+  for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < rows;
+       first += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t row = first + threadIdx.y;
+    const bool active = row < rows;
+    float xv[VEC] = {}, g[VEC] = {};
+    float r = 0.f;
+    if (active) {
+      load(x + row * x_rs + c, xv);
+      load(dy + row * dy_rs + c, g);
+      r = rstd[row * (C / G) + c / G];
+    }
+    float dot = 0.f;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    g[i] *= w ? w[c + i] : 1.f;
-    dot += g[i] * xv[i];
-  }
-  const float m = group_sum(dot, G / VEC) * r / G;  // mean(w dy xhat)
-  if (!active) return;
+    for (int i = 0; i < VEC; ++i) {
+      dw[i] += g[i] * xv[i] * r;  // zero on inactive rows
+      g[i] *= w ? w[c + i] : 1.f;
+      dot += g[i] * xv[i];
+    }
+    const float m = group_sum(dot, G / VEC) * r / G;  // mean(w dy xhat)
+    if (active) {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
-  if (dsum) {
-    float ds[VEC];
-    load(dsum + row * ds_rs + c, ds);
+      for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
+      if (dsum) {
+        float ds[VEC];
+        load(dsum + row * ds_rs + c, ds);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
+        for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
+      }
+      store(dx + row * C + c, g);
+      if (dx_cast) store(dx_cast + row * C + c, g);
+    }
+    if (!dw_partial) return;  // one block row per block
+    __syncthreads();  // group_sum's buffer is written again for the next block row
   }
-  store(dx + row * C + c, g);
-  if (dx_cast) store(dx_cast + row * C + c, g);
-}
-
-// dweight partial sums: thread per channel, block row per chunk of rows (coalesced over channels);
-// the chunks are summed afterwards, in order.
-template <typename in_t, typename grad_t>
-__global__ void rms_norm_weight_grad_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
-                                            const in_t* __restrict__ x, int64_t x_rs,
-                                            const float* __restrict__ rstd,
-                                            float* __restrict__ partial, int64_t rows,
-                                            int64_t rows_per_chunk, int C, int G) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const int groups = C / G, g = c / G;
-  const int64_t begin = int64_t(blockIdx.y) * rows_per_chunk;
-  const int64_t end = min(rows, begin + rows_per_chunk);
-  float acc = 0.f;
-  for (int64_t r = begin; r < end; ++r) {
-    acc += static_cast<float>(dy[r * dy_rs + c]) * static_cast<float>(x[r * x_rs + c]) *
-           rstd[r * groups + g];
+  // The block rows' sums, added in order by block row 0 (the buffer holds blockDim.y x C floats).
+  extern __shared__ float sums[];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) sums[threadIdx.y * C + c + i] = dw[i];
+  __syncthreads();
+  if (threadIdx.y != 0) return;
+  for (int y = 1; y < int(blockDim.y); ++y) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dw[i] += sums[y * C + c + i];
   }
-  partial[int64_t(blockIdx.y) * C + c] = acc;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) dw_partial[int64_t(blockIdx.x) * C + c + i] = dw[i];
 }
 
 // ---- KV-shift -------------------------------------------------------------------------------------
@@ -639,7 +643,17 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                   (x.scalar_type() == at::kFloat && dx_cast.scalar_type() == dy.scalar_type()),
               "rms_norm_backward: dx_cast must have x's dtype, or dy's when x is float32");
   const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
-  const auto L = row_launch(rows, C, vec);
+  auto L = row_launch(rows, C, vec);
+  // With the weight's gradient: at most 8 blocks per SM, each walking many rows (its partial sums
+  // are one row of `partial`), and shared memory for its block rows' sums.
+  at::Tensor partial;
+  if (dweight.defined()) {
+    const int64_t most = 8LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    L.grid.x = unsigned(std::min<int64_t>(L.grid.x, most));
+    L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
+    partial = at::empty({int64_t(L.grid.x), C}, x.options().dtype(at::kFloat));
+  }
+  float* dw_partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
   const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
   if (dx_cast.defined() && dx_cast.scalar_type() != x.scalar_type()) {
     // float32 x; dy and dx_cast in one half-precision dtype (see the check above)
@@ -649,37 +663,26 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
             <<<L.grid, L.block, L.smem, stream>>>(
                 dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<float>(), x.stride(0),
                 optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(), rows, C,
-                int(group), optional_ptr<float>(dsum), ds_rs, dx_cast.data_ptr<scalar_t>());
+                int(group), optional_ptr<float>(dsum), ds_rs, dx_cast.data_ptr<scalar_t>(),
+                dw_partial);
       });
     });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
-    using in_t = scalar_t;
-    FOX_FLOAT_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
-      if (!dx_cast.defined() || dx_cast.scalar_type() == x.scalar_type()) {
+  } else {
+    FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_backward", [&] {
+      using in_t = scalar_t;
+      FOX_FLOAT_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
         FOX_VEC_SWITCH(vec, [&] {
           rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
               dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
               optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
-              int(group), optional_ptr<in_t>(dsum), ds_rs, optional_mut<in_t>(dx_cast));
+              int(group), optional_ptr<in_t>(dsum), ds_rs, optional_mut<in_t>(dx_cast),
+              dw_partial);
         });
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      if (dweight.defined()) {
-        const int64_t chunks = std::min<int64_t>(rows, 512);
-        const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-        auto partial = at::empty({chunks, C}, x.options().dtype(at::kFloat));
-        dim3 grid(unsigned(blocks_for(C, 128)), unsigned(chunks));
-        rms_norm_weight_grad_kernel<in_t, scalar_t><<<grid, 128, 0, stream>>>(
-            dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
-            rstd.data_ptr<float>(), partial.data_ptr<float>(), rows, rows_per_chunk, C,
-            int(group));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        at::sum_out(const_cast<at::Tensor&>(dweight), partial, {0});
-      }
+      });
     });
-  });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (partial.defined()) at::sum_out(const_cast<at::Tensor&>(dweight), partial, {0});
 }
 
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
