@@ -1,6 +1,12 @@
 """forgetting_transformer.nn: the bound C++ modules against a small pure-PyTorch reference of the
 same math (weights shared through state_dict), state_dict round trip, a training step with
-torch.optim, the KV cache and generation."""
+torch.optim, the KV cache and generation; and bench/bench_authors.py's loading of the authors'
+package (same name) beside this one, which its comparison of the two models rests on."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -407,3 +413,35 @@ def test_memory_savings_on_by_default(monkeypatch):
     monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", "x")
     with pytest.raises(RuntimeError, match="FOX_LOSS_CHUNK_ROWS"):
         model(ids, labels=labels)
+
+
+def test_authors_benchmark_sets_their_package_aside(tmp_path):
+    """bench/bench_authors.py imports the authors' package, which has this package's name, from a
+    source folder and then takes it out of sys.modules: their classes come back, and
+    `forgetting_transformer` is ours before and after (a stand-in package plays theirs)."""
+    theirs = tmp_path / "forgetting_transformer" / "model" / "forgetting_transformer"
+    theirs.mkdir(parents=True)
+    (tmp_path / "forgetting_transformer" / "__init__.py").write_text("THEIRS = True\n")
+    (tmp_path / "forgetting_transformer" / "model" / "__init__.py").write_text("")
+    (theirs / "__init__.py").write_text(
+        "class ForgettingTransformerConfig:\n    STAND_IN = True\n"
+        "class ForgettingTransformerForCausalLM:\n    STAND_IN = True\n")
+    bench = Path(__file__).parents[2] / "bench"
+    code = f"""
+import sys
+sys.path.insert(0, {str(bench)!r})
+import forgetting_transformer as before
+import bench_authors
+config, model = bench_authors.load_authors({str(tmp_path)!r})
+assert config.STAND_IN and model.STAND_IN
+import forgetting_transformer as after
+assert after is before and not hasattr(after, "THEIRS") and hasattr(after, "nn")
+assert {str(tmp_path)!r} not in sys.path
+assert not any(getattr(m, "__file__", None) and m.__file__.startswith({str(tmp_path)!r})
+               for m in list(sys.modules.values()))
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
