@@ -13,8 +13,8 @@ cache of GQA models at head dim 64), interleaved with the other two.
     python3 bench/bench_decode.py --quick --tq 1 4 16 --out DIR
     python3 bench/bench_decode.py --profile 1,32,4,64,2048 8,16,16,128,32768   # B,H,Hkv,D,Tk:
                                                   # the kernels of each side, with their times
-    python3 bench/bench_decode.py --ab FOX_DECODE_CLUSTER_MERGE=0   # a last column: ours with
-                                                  # that switch set (the op reads it per call)
+    python3 bench/bench_decode.py --ab FOX_DECODE_SPLITS=2   # a last column: ours with that
+                                                  # switch set (the op reads it per call)
 """
 import argparse
 import json
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import forgetting_transformer  # noqa: F401  (loads the ops)
+import switches
 
 GRID_B = (1, 8, 64)
 GRID_HEADS = ((16, 16), (32, 32), (32, 8), (32, 4), (12, 12))
@@ -55,17 +56,10 @@ def timed_side_by_side(fns, flush, reps):
 
 
 def with_env(fn, name, value):
-    """fn run with the environment variable set (the op reads its switches at each call)."""
+    """fn run with the environment variable set."""
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with switches.environment(name, value):
             return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
     return run
 
 
@@ -155,7 +149,7 @@ def main():
         header += " floor f16 us | ours f16 us | f16/SDPA | f16 % of bw |"
         columns += 4
     if args.ab:
-        ab_name, ab_value = args.ab.split("=", 1)
+        ab_name, ab_value = switches.parse(args.ab)
         header += f" ours, {args.ab} us | that/ours |"
         columns += 2
     print(header + "\n" + "|---" * columns + "|")

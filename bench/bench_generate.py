@@ -21,6 +21,7 @@ import time
 import torch
 
 from forgetting_transformer import nn as fnn
+import switches
 
 SIZES = {  # hidden, layers, heads (FoX's head dim 64 at both sizes, as the paper's configs)
     "125m": (768, 12, 12),
@@ -160,25 +161,12 @@ def gate_cache_table(args):
                                  dict(gate_cache_dtype=torch.float16) if v else {}))
 
 
-@contextlib.contextmanager
-def environment(name, value):
-    """The variable set while the session captures its graph (the op reads its switches then)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def ab_table(args):
     """The default against a switch set (--ab VAR=VALUE)."""
-    name, value = args.ab.split("=", 1)
+    name, value = switches.parse(args.ab)
     interleaved_table(args, f"default against {args.ab}", ("default", args.ab),
-                      lambda v: (environment(name, value) if v else contextlib.nullcontext(), {}))
+                      lambda v: (switches.environment(name, value) if v
+                                 else contextlib.nullcontext(), {}))
 
 
 def main():

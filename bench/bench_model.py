@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.reference import rope, shift  # the same KV-shift and RoPE math
 from flex_fox import fox_score_mod
+import switches
 
 flex = torch.compile(flex_attention, dynamic=False)
 
@@ -247,7 +248,7 @@ def memory_census(args, top=16):
 def ab_table(args, reps=20):
     """fox_torch's step, default against an environment switch set (--ab VAR=VALUE): the two
     alternate step by step in one process, median of each; the losses must agree."""
-    name, value = args.ab.split("=", 1)
+    name, value = switches.parse(args.ab)
     B, T = args.batch, args.seqlen
     print(f"# {torch.cuda.get_device_name()}; 125M-class, B={B}, T={T}, bf16 autocast, fwd+bwd, "
           f"gradients set to None before each step")
@@ -263,11 +264,8 @@ def ab_table(args, reps=20):
             return plain()
 
         def switched():
-            os.environ[name] = value
-            try:
+            with switches.environment(name, value):
                 return step()
-            finally:
-                del os.environ[name]
 
         losses = step().item(), switched().item()
         t0, t1 = interleaved_ms([step, switched], reps)
