@@ -1,27 +1,38 @@
 """Context parallelism of a whole model, measured: a 125M-class FoX (Pro) training step (forward +
 backward, bf16 autocast, batch 1) on one sequence split over the processes of torchrun, against
-the same per-process tokens on one process. Per sequence length: k tokens/s of the whole sequence,
-the peak memory of a rank, and the time of the collectives in a step (the all-gather form does not
-overlap them with compute: all of it is exposed).
+one process. Per sequence length: k tokens/s of the whole sequence, the model FLOP utilization
+of each GPU, the peak memory of a rank, and the device time of the collectives in a step: all of
+it, and the part no other kernel overlaps (exposed).
 
     torchrun --nproc_per_node 1 bench/bench_context_parallel.py --seqlen 32768 65536
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --seqlen 65536 131072 262144
+    torchrun --nproc_per_node 2 bench/bench_context_parallel.py --ab FOX_CP_OVERLAP=0
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --longest   # longest that fits
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --device cpu --tiny --seqlen 64
 
-Every rank runs the same steps; rank 0 prints a markdown table row per length. A length that
-runs out of memory ends the list (every rank must run out in the same step, or the others wait in
-a collective: the zigzag layout gives every rank the same work, so they do).
+`--ab VAR=VALUE` times the steps with that environment switch against the default, interleaved
+step by step in the same processes (FOX_CP_OVERLAP=0: no backward prefetch, an all-reduce in
+place of the reduce-scatter). Every rank runs the same steps; rank 0 prints a markdown table row
+per length and variant. A length that runs out of memory ends the list (every rank must run out
+in the same step, or the others wait in a collective: the zigzag layout gives every rank the same
+work, so they do).
 """
 import argparse
+import contextlib
 import os
 import statistics
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.distributed import set_context_parallel, shard_sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import switches  # noqa: E402
+from bench_model import mfu, training_flops_per_token  # noqa: E402
 
 
 def build(args, device):
@@ -46,50 +57,112 @@ def sync(device):
     dist.barrier()
 
 
-def timed(step, device, reps):
-    import time
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed_once(step, device):
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - t0
 
 
-def collective_ms(step, device):
-    """Device time of the communication kernels in one step (nccl), from the profiler."""
+def _merged(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def communication_ms(step, device):
+    """(all, exposed) device ms of the collectives (nccl kernels) in one step, from the profiler's
+    trace: exposed is the time when a collective runs and no other kernel, copy or fill does."""
     if device.type != "cuda":
-        return float("nan")
+        return float("nan"), float("nan")
+    import json
+    import tempfile
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()
-               if "nccl" in e.key.lower()) / 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    comm, work = [], []
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            (comm if "nccl" in e.get("name", "").lower() else work).append(span)
+    total, exposed = exposed_time(comm, work)
+    return total / 1e3, exposed / 1e3
 
 
-def measure(model, vocab, T, args, device, rank, world):
-    """(k tokens/s, peak GiB of this rank, collective ms) for one sequence of T tokens, or None
-    when it does not fit."""
+def exposed_time(comm, work):
+    """(time covered by the `comm` spans, the part of it that no `work` span covers); spans are
+    (start, end) pairs and may overlap among themselves."""
+    comm, work = _merged(comm), _merged(work)
+    total = sum(b - a for a, b in comm)
+    covered, i = 0.0, 0
+    for a, b in comm:  # the part of each collective that some other work overlaps
+        while i < len(work) and work[i][1] <= a:
+            i += 1
+        j = i
+        while j < len(work) and work[j][0] < b:
+            covered += min(b, work[j][1]) - max(a, work[j][0])
+            j += 1
+    return total, total - covered
+
+
+def part_of(T, vocab, device, rank, world):
+    """This rank's part (zigzag) of the sequence of T random tokens every rank draws alike."""
     ids = torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
-    ids = shard_sequence(ids, rank, world, "zigzag") if world > 1 else ids
-    step = step_fn(model, ids, device)
+    return shard_sequence(ids, rank, world, "zigzag") if world > 1 else ids
+
+
+def print_top_kernels(step, n, rank):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=n,
+                                        max_name_column_width=90), flush=True)
+
+
+def measure(model, vocab, T, args, device, rank, world, switch):
+    """{variant: (k tokens/s, step ms, (all, exposed) collective ms)} and the peak GiB of this
+    rank for one sequence of T tokens (the variants timed step by step, interleaved), or None
+    when it does not fit."""
+    step = step_fn(model, part_of(T, vocab, device, rank, world), device)
+    variants = {"default": contextlib.nullcontext}
+    if switch:
+        variants[switch] = lambda: switches.environment(*switches.parse(switch))
     try:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        seconds = timed(step, device, args.reps)
-        comm = collective_ms(step, device) if world > 1 else 0.0
+        times = {name: [] for name in variants}
+        for rep in range(args.reps + 2):
+            for name, context in variants.items():
+                with context():
+                    seconds = timed_once(step, device)
+                if rep >= 2:  # two warm-up steps of each
+                    times[name].append(seconds)
+        result = {}
+        for name, context in variants.items():
+            with context():
+                comm = communication_ms(step, device) if world > 1 else (0.0, 0.0)
+            seconds = statistics.median(times[name])
+            result[name] = (T / seconds / 1e3, seconds * 1e3, comm)
         model.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     except torch.cuda.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
         return None
-    return T / seconds / 1e3, peak, comm
+    return result, peak
 
 
 def main():
@@ -100,7 +173,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each length, rank 0 prints the N kernels of one step that take "
+                         "the most device time")
+    ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
+                    help="also time the steps with this environment switch (side by side)")
     args = ap.parse_args()
+    if args.ab:
+        switches.parse(args.ab)  # a malformed switch fails before any process group exists
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -115,22 +195,32 @@ def main():
         precision = "bf16 autocast" if device.type == "cuda" else "float32"
         print(f"# {name} x {world}; FoX (Pro) {'toy' if args.tiny else '125M-class'}, B=1, "
               f"{precision}, fwd+bwd, zigzag layout")
-        print("| processes | T | k tokens/s | peak GiB per rank | collectives ms per step |")
-        print("|---|---|---|---|---|", flush=True)
+        print("| processes | T | variant | k tokens/s | MFU per GPU | step ms | peak GiB per rank "
+              "| collectives ms per step (exposed) |")
+        print("|---|---|---|---|---|---|---|---|", flush=True)
     lengths = args.seqlen if not args.longest else [16384 * 2**i for i in range(8)]
     for T in lengths:
-        result = measure(model, vocab, T, args, device, rank, world)
+        result = measure(model, vocab, T, args, device, rank, world, args.ab)
         # Every rank must agree to stop: one that ran out of memory stops them all.
         fits = torch.tensor([0 if result is None else 1], device=device)
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
         if rank == 0:
             if fits.item() == 0:
-                print(f"| {world} | {T} | does not fit | | |", flush=True)
+                print(f"| {world} | {T} | | does not fit | | | | |", flush=True)
             else:
-                tps, peak, comm = result
-                print(f"| {world} | {T} | {tps:,.1f} | {peak:.2f} | {comm:.1f} |", flush=True)
+                variants, peak = result
+                flops = training_flops_per_token(model, T)
+                for variant, (tps, ms, (comm, exposed)) in variants.items():
+                    use = mfu(tps * 1e3 / world, flops) if device.type == "cuda" else float("nan")
+                    use = f"{use:.1%}" if use == use else "-"
+                    print(f"| {world} | {T} | {variant} | {tps:,.1f} | {use} | {ms:,.0f} | "
+                          f"{peak:.2f} | {comm:.1f} ({exposed:.1f}) |", flush=True)
         if fits.item() == 0:
             break
+        if args.profile and device.type == "cuda":
+            print_top_kernels(step_fn(model, part_of(T, vocab, device, rank, world), device),
+                              args.profile, rank)
+            model.zero_grad(set_to_none=True)
     dist.destroy_process_group()
 
 

@@ -11,7 +11,9 @@
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
 # model      bench_model.py (training step), for the cost of the wrapper layers
 # context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
-#            64k-256k (the same tokens per GPU), then the longest sequence that fits on each
+#            64k-256k (the same lengths and the same tokens per GPU), the overlap against
+#            FOX_CP_OVERLAP=0 side by side
+# context_parallel_longest  (2 GPUs) the longest sequence that fits on 1 and on 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_round}
@@ -39,11 +41,14 @@ for stage in "$@"; do
     model)
       python3 bench/bench_model.py 2>&1 | tee "$OUT/model.log" | tail -20 ;;
     context_parallel)
+      python3 -m torch.distributed.run --nproc_per_node 1 bench/bench_context_parallel.py \
+        --seqlen 32768 65536 131072 2>&1 | tee -a "$OUT/context_parallel.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --seqlen 65536 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 | tee -a "$OUT/context_parallel.log" ;;
+    context_parallel_longest)
       for n in 1 2; do
         python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
-          --seqlen $((32768 * n)) $((65536 * n)) $((131072 * n)) 2>&1 | tee -a "$OUT/context_parallel.log"
-        python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
-          --longest 2>&1 | tee -a "$OUT/context_parallel.log"
+          --longest --reps 1 2>&1 | tee -a "$OUT/context_parallel_longest.log"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

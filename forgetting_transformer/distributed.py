@@ -21,6 +21,9 @@ split, while attention needs K, V and the gates of the prefix on each rank; the 
 are not kept for the backward pass, which gathers them again (a rank holds the whole sequence's
 K and V for one layer at a time, not for every layer).
 """
+import math
+import os
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -74,41 +77,132 @@ def _chunk_lengths(length: int, group, device) -> List[int]:
     return [int(t.item()) for t in every]
 
 
-def _gather_prefix(x: torch.Tensor, group, lengths: List[int], pieces, needed: int) -> torch.Tensor:
-    """The first `needed` positions of the whole sequence (dim 1), assembled from every rank's
-    local tensor by one all-gather; `pieces` says where each piece of the sequence lives:
-    (global start, owning rank, offset in the owner's local tensor, length), in sequence order."""
-    padded = x.new_zeros((x.shape[0], max(lengths)) + tuple(x.shape[2:]))
-    padded[:, : x.shape[1]] = x
-    gathered = [torch.empty_like(padded) for _ in lengths]
-    dist.all_gather(gathered, padded, group=group)
-    parts = [gathered[owner][:, offset:offset + n] for start, owner, offset, n in pieces
-             if start < needed]
-    return torch.cat(parts, 1)[:, :needed]
+def _overlap_enabled() -> bool:
+    """FOX_CP_OVERLAP=0 turns off the backward prefetch and the reduce-scatter (read at each call,
+    so that one process can time both forms side by side)."""
+    return os.environ.get("FOX_CP_OVERLAP", "1") != "0"
 
 
-def _reduce_to_owners(grad: torch.Tensor, group, lengths: List[int], pieces) -> torch.Tensor:
-    """_gather_prefix's transpose: every rank's gradient of its assembled prefix, summed over the
-    ranks (one all-reduce), each rank keeping its own pieces in local order."""
-    total = grad.new_zeros((grad.shape[0], sum(lengths)) + tuple(grad.shape[2:]))
-    total[:, : grad.shape[1]] = grad
-    dist.all_reduce(total, group=group)
-    rank = dist.get_rank(group)
-    mine = sorted((offset, start, n) for start, owner, offset, n in pieces if owner == rank)
-    return torch.cat([total[:, start:start + n] for _, start, n in mine], 1).contiguous()
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+class _PendingGather:
+    """K, V and the gates of every rank, in flight: one all-gather of the three packed into one
+    row of bytes per position (each rank's part padded to the longest), started at construction.
+    `prefix` waits for it and assembles the first positions of the sequence from the pieces."""
+
+    def __init__(self, tensors, group, where: "_SequenceLayout"):
+        batch, length = tensors[0].shape[:2]
+        rows = max(where.lengths)
+        self.shapes = [tuple(t.shape[2:]) for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        widths = [math.prod(t.shape[2:]) * t.element_size() for t in tensors]
+        self.columns, column = [], 0
+        for width in widths:  # 8-byte aligned columns, so that each one views back as its dtype
+            self.columns.append((column, column + width))
+            column += _aligned(width)
+        # Rows past this rank's length are sent but never read: left uninitialized.
+        packed = tensors[0].new_empty((batch, rows, column), dtype=torch.uint8)
+        for t, (a, b) in zip(tensors, self.columns):
+            packed[:, :length, a:b] = t.reshape(batch, length, -1).contiguous().view(torch.uint8)
+        self.buffer = packed.new_empty((len(where.lengths),) + tuple(packed.shape))
+        # Flat views: gloo takes only the concatenated form of the output.
+        self.work = dist.all_gather_into_tensor(self.buffer.view(-1), packed.view(-1), group=group,
+                                                async_op=True)
+        self.where = where
+
+    def prefix(self, needed: int):
+        """The first `needed` positions of the whole sequence, one tensor per gathered input."""
+        self.work.wait()
+        batch = self.buffer.shape[1]
+        out = []
+        for (a, b), shape, dtype in zip(self.columns, self.shapes, self.dtypes):
+            parts = [self.buffer[owner, :, offset:offset + n, a:b]
+                     for start, owner, offset, n in self.where.pieces if start < needed]
+            flat = torch.cat(parts, 1)[:, :needed].contiguous().view(dtype)
+            out.append(flat.view((batch, needed) + shape))
+        self.buffer = None  # the packed copy is not needed past the assembly
+        return out
+
+
+def _reduce_to_owners(grads, group, where: "_SequenceLayout"):
+    """_PendingGather's transpose: every rank's gradients of its assembled prefix, summed over the
+    ranks, each rank getting its own pieces in local order. Gradients of one dtype travel
+    together: one reduce-scatter each (each rank receives only its part); FOX_CP_OVERLAP=0
+    restores the all-reduce of the whole sequence."""
+    rank, world_size = dist.get_rank(group), len(where.lengths)
+    rows, mine = max(where.lengths), where.lengths[rank]
+    out = [None] * len(grads)
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        members = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        batch = grads[members[0]].shape[0]
+        flats = [grads[i].reshape(batch, grads[i].shape[1], -1) for i in members]
+        widths = [f.shape[2] for f in flats]
+        seq = torch.cat(flats, 2)  # (B, needed, sum of widths)
+        total = seq.new_zeros((world_size, batch, rows, seq.shape[2]))
+        for start, owner, offset, n in where.pieces:
+            if start < seq.shape[1]:
+                total[owner, :, offset:offset + n] = seq[:, start:start + n]
+        if _overlap_enabled():
+            part = total.new_empty(total.shape[1:])
+            dist.reduce_scatter_tensor(part.view(-1), total.view(-1), group=group)
+        else:
+            dist.all_reduce(total, group=group)
+            part = total[rank]
+        columns = torch.split(part[:, :mine], widths, 2)
+        for i, column in zip(members, columns):
+            out[i] = column.reshape((batch, mine) + tuple(grads[i].shape[2:])).contiguous()
+    return out
+
+
+class _GatherChain:
+    """Backward prefetch across the attention calls of one forward pass. Each call links to the
+    one before it (the next in backward order); when a call's backward starts, it starts the
+    all-gather of the previous call's K, V and gates, which then runs during the work between
+    the two (the previous layer's MLP and projections). Only weak references are kept: a call
+    whose tensors were freed (activation checkpointing recomputes them later) is not
+    prefetched, and nothing is held alive longer than autograd holds it."""
+
+    def __init__(self):
+        self.last = None
+
+    def reset(self):
+        self.last = None
+
+    def link(self, tensors, group, where):
+        entry = _ChainEntry(tensors, group, where, self.last)
+        self.last = entry
+        return entry
+
+
+class _ChainEntry:
+    def __init__(self, tensors, group, where, previous):
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.group, self.where, self.previous = group, where, previous
+        self.pending: Optional[_PendingGather] = None
+
+    def prefetch(self):
+        tensors = [r() for r in self.refs]
+        if self.pending is None and all(t is not None for t in tensors):
+            self.pending = _PendingGather(tensors, self.group, self.where)
+
+    def take(self) -> Optional[_PendingGather]:
+        pending, self.pending = self.pending, None
+        return pending
 
 
 class _GatheredAttention(torch.autograd.Function):
     """This rank's queries against the prefix of the sequence each of their pieces needs, through
     the op's forward and backward kernels. The gathered keys, values and gates are not kept for
-    the backward, which gathers them again: a rank keeps its own part of the sequence between
-    the passes, not the whole (as the layers around attention do)."""
+    the backward, which gathers them again (prefetched while the layers after this one run their
+    backward, when a _GatherChain links the calls): a rank keeps its own part of the sequence
+    between the passes, not the whole (as the layers around attention do)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold):
+    def forward(ctx, q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold, entry):
         needed = max(start + n for start, _, n in where.mine)
-        k_seq, v_seq, g_seq = (_gather_prefix(t, group, where.lengths, where.pieces, needed)
-                               for t in (k, v, log_fgate))
+        k_seq, v_seq, g_seq = _PendingGather((k, v, log_fgate), group, where).prefix(needed)
         outs, lses = [], []
         for start, offset, n in where.mine:
             out, lse = torch.ops.fox.forgetting_attention_fwd(
@@ -118,16 +212,22 @@ class _GatheredAttention(torch.autograd.Function):
             lses.append(lse)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
-        ctx.group, ctx.where, ctx.needed = group, where, needed
+        ctx.group, ctx.where, ctx.needed, ctx.entry = group, where, needed, entry
         ctx.sm_scale, ctx.adaptive_threshold = sm_scale, adaptive_threshold
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, log_fgate, out, *lses = ctx.saved_tensors
-        where, group = ctx.where, ctx.group
-        k_seq, v_seq, g_seq = (_gather_prefix(t, group, where.lengths, where.pieces, ctx.needed)
-                               for t in (k, v, log_fgate))
+        where, group, entry = ctx.where, ctx.group, ctx.entry
+        pending = entry.take() if entry is not None else None
+        if pending is None:
+            pending = _PendingGather((k, v, log_fgate), group, where)
+        if entry is not None:  # the next attention call in backward order: start its gather
+            previous, entry.previous = entry.previous, None
+            if previous is not None and _overlap_enabled():
+                previous.prefetch()
+        k_seq, v_seq, g_seq = pending.prefix(ctx.needed)
         dq = torch.empty_like(q)
         dk_seq, dv_seq = torch.zeros_like(k_seq), torch.zeros_like(v_seq)
         dg_seq = torch.zeros_like(g_seq)
@@ -141,9 +241,8 @@ class _GatheredAttention(torch.autograd.Function):
             dk_seq[:, :start + n] += dk_i
             dv_seq[:, :start + n] += dv_i
             dg_seq[:, :start + n] += dg_i.to(dg_seq.dtype)
-        dk, dv, dg = (_reduce_to_owners(t, group, where.lengths, where.pieces)
-                      for t in (dk_seq, dv_seq, dg_seq))
-        return dq, dk, dv, dg, None, None, None, None
+        dk, dv, dg = _reduce_to_owners((dk_seq, dv_seq, dg_seq), group, where)
+        return dq, dk, dv, dg, None, None, None, None, None
 
 
 class _SequenceLayout:
@@ -186,8 +285,10 @@ def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayou
     return _SequenceLayout(_chunk_lengths(length, group, device), dist.get_rank(group), layout, who)
 
 
-def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold):
-    """The local queries against the prefix of the sequence each of their pieces needs."""
+def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold,
+            chain: Optional[_GatherChain] = None):
+    """The local queries against the prefix of the sequence each of their pieces needs; with a
+    chain, linked to the previous call for the backward prefetch."""
     if torch.is_autocast_enabled(q.device.type):
         # As the op's autocast kernel: q, k, v in the autocast dtype, the gates in float32.
         dtype = torch.get_autocast_dtype(q.device.type)
@@ -195,9 +296,13 @@ def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptiv
                    for t in (q, k, v))
         if log_fgate.dtype != torch.float64:
             log_fgate = log_fgate.float()
+    entry = None
+    if chain is not None and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, log_fgate)):
+        entry = chain.link((k, v, log_fgate), group, where)
     with torch.autocast(q.device.type, enabled=False):
         return _GatheredAttention.apply(q, k, v, log_fgate, group, where, sm_scale,
-                                        adaptive_threshold)
+                                        adaptive_threshold, entry)
 
 
 class _PreviousTokens(torch.autograd.Function):
@@ -317,10 +422,12 @@ def set_context_parallel(model, group=None, *, layout: Optional[str] = "contiguo
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"{who}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     state = {}
+    chain = _GatherChain()
 
     def prepare(shard, length, device):
         where = _layout(length, group, device, layout, who)
         state["where"] = where
+        chain.reset()  # a new forward pass: its attention calls link among themselves
         shard.positions = torch.cat([torch.arange(start, start + n, dtype=torch.int64)
                                      for start, _, n in where.mine]).to(device)
         shard.piece_lengths = [n for _, _, n in where.mine]
@@ -334,7 +441,8 @@ def set_context_parallel(model, group=None, *, layout: Optional[str] = "contiguo
             t = torch.tensor([adaptive_threshold], dtype=torch.float64, device=q.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
             adaptive_threshold = float(t.item())
-        return _attend(q, k, v, log_fgate, group, state["where"], sm_scale, adaptive_threshold)
+        return _attend(q, k, v, log_fgate, group, state["where"], sm_scale, adaptive_threshold,
+                       chain)
 
     shard = _C.nn.SequenceShard()
     shard.prepare, shard.previous_tokens, shard.attention = prepare, previous_tokens, attention

@@ -1,14 +1,15 @@
 """One rank of the context-parallel model tests (run under torchrun by test_distributed.py): builds
 the same small model and token sequence on every rank from a shared seed, runs the model
 context-parallel (set_context_parallel) on its part of the sequence, weighs its per-token losses
-by a shared random weight, and saves its part of the loss and its share of every parameter
-gradient to OUT_DIR/rank<r>.pt."""
+by a shared random weight, and saves its part of the loss, its share of every parameter gradient
+and the number of backward prefetches it started to OUT_DIR/rank<r>.pt."""
 import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
+from forgetting_transformer import distributed
 from forgetting_transformer.distributed import set_context_parallel, zigzag_shard
 from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
 
@@ -43,8 +44,20 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=0)
     ap.add_argument("--pruning", type=float, default=None)
     ap.add_argument("--checkpointing", type=int, default=0)
+    ap.add_argument("--overlap", type=int, default=1, help="0: FOX_CP_OVERLAP=0")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
+    if not args.overlap:
+        os.environ["FOX_CP_OVERLAP"] = "0"
+    # Count the backward prefetches that start a gather (the saved file reports them).
+    prefetches = []
+    plain_prefetch = distributed._ChainEntry.prefetch
+
+    def counted_prefetch(entry):
+        idle = entry.pending is None
+        plain_prefetch(entry)
+        prefetches.extend([1] if idle and entry.pending is not None else [])
+    distributed._ChainEntry.prefetch = counted_prefetch
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args.arch, torch.float64, args.kv_heads, args.pruning)
@@ -59,7 +72,7 @@ def main():
         part = lambda t: t[:, start:start + n]  # noqa: E731
     loss = model(part(ids), labels=part(labels))
     (loss * part(weights)).sum().backward()
-    torch.save({"loss": loss.detach(),
+    torch.save({"loss": loss.detach(), "prefetches": len(prefetches),
                 "grads": {name: p.grad for name, p in model.named_parameters()}},
                os.path.join(args.out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

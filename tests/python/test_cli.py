@@ -562,10 +562,11 @@ def test_tensorboard_events(tmp_path, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "context_parallel"])
 def test_torchrun_two_gpus(tmp_path, mode):
-    """2 GPUs (nccl) under torchrun, DDP or FSDP2, against 1 GPU on the same global batch: the
-    same losses (float32: only the reduction order differs)."""
+    """2 GPUs (nccl) under torchrun, DDP, FSDP2 or every sequence split over both (context
+    parallel, zigzag), against 1 GPU on the same global batch: the same losses (float32: only
+    the reduction order differs)."""
     flags = [*MICRO, "--device", "cuda", "--dtype", "fp32", "--steps", "6", "--batch-size", "4",
              "--micro-batch-size", "1", "--log-interval", "1", "--eval-interval", "0",
              "--checkpoint-interval", "3"]
@@ -575,7 +576,9 @@ def test_torchrun_two_gpus(tmp_path, mode):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    extra = ["--fsdp"] if mode == "fsdp" else []
+    extra = {"ddp": [], "fsdp": ["--fsdp"],
+             "context_parallel": ["--context-parallel", "2", "--context-parallel-layout",
+                                  "zigzag"]}[mode]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_addr", "127.0.0.1", "--master_port", str(port),
                         "-m", "forgetting_transformer", "train", *flags, *extra,

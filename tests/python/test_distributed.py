@@ -117,6 +117,7 @@ def test_zigzag_shard_round_trip():
     assert torch.equal(zigzag_unshard(shards), x)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_two_gpus_nccl(tmp_path, layout):
@@ -198,12 +199,15 @@ def run_model_ranks(tmp_path, ranks, lengths, **opts):
     ("transformer_llama", 2, [20, 20], "contiguous", {}),
     ("fox_pro", 2, [44], "zigzag", {"pruning": -10.0}),
     ("fox_pro", 2, [21, 19], "contiguous", {"checkpointing": 1}),
+    ("fox_pro", 3, [36], "zigzag", {"overlap": 0}),
 ])
 def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, extra):
     """Every preset run context-parallel (its KV-shift across ranks, RoPE at global positions,
-    the pruning threshold agreed over the ranks, with per-block checkpointing): the per-token
-    losses equal those of the whole sequence in one process, and every parameter gradient summed
-    over the ranks equals the single-process one (float64, to rounding)."""
+    the pruning threshold agreed over the ranks, with per-block checkpointing, with the backward
+    prefetch and reduce-scatter turned off): the per-token losses equal those of the whole
+    sequence in one process, and every parameter gradient summed over the ranks equals the
+    single-process one (float64, to rounding). The backward prefetches the gather of layer 1
+    while layer 2's backward runs, except where checkpointing frees the tensors or it is off."""
     from context_parallel_model_worker import build, inputs
     parts = run_model_ranks(tmp_path, ranks, lengths, arch=arch, layout=layout, **extra)
     join = zigzag_unshard if layout == "zigzag" else (lambda ts: torch.cat(ts, 1))
@@ -216,6 +220,8 @@ def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, ex
     for name, p in model.named_parameters():
         got = sum(part["grads"][name] for part in parts)
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    prefetching = extra.get("overlap", 1) and not extra.get("checkpointing")
+    assert [p["prefetches"] for p in parts] == [1 if prefetching else 0] * ranks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -298,7 +304,20 @@ def test_context_parallel_benchmark_runs():
     script = Path(__file__).parents[2] / "bench" / "bench_context_parallel.py"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
-                        "--device", "cpu", "--tiny", "--seqlen", "64", "--reps", "1"],
+                        "--device", "cpu", "--tiny", "--seqlen", "64", "--reps", "1",
+                        "--ab", "FOX_CP_OVERLAP=0"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "| 2 | 64 |" in r.stdout, r.stdout
+    assert "| 2 | 64 | default |" in r.stdout and "| 2 | 64 | FOX_CP_OVERLAP=0 |" in r.stdout, \
+        r.stdout
+
+
+def test_exposed_communication_time():
+    """The benchmark's exposed time: the part of the collectives' spans that no other kernel
+    covers (spans overlapping among themselves counted once)."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    from bench_context_parallel import exposed_time
+    assert exposed_time([(0, 10)], []) == (10, 10)
+    assert exposed_time([(0, 10)], [(2, 4), (3, 5), (8, 12)]) == (10, 5)   # 0-2, 5-8 bare
+    assert exposed_time([(0, 4), (2, 6), (10, 12)], [(5, 11)]) == (8, 6)  # 0-5, 11-12 bare
+    assert exposed_time([(0, 10)], [(-5, 20)]) == (10, 0)
