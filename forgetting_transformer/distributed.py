@@ -19,9 +19,12 @@ Two layouts of the sequence over the P ranks:
 This is the all-gather form of context parallelism: the activations of every other layer stay
 split, while attention needs K, V and the gates of the prefix on each rank; the gathered tensors
 are not kept for the backward pass, which gathers them again (a rank holds the whole sequence's
-K and V for one layer at a time, not for every layer).
+K and V for one layer at a time, not for every layer). Communication overlaps compute in the
+backward pass: each layer's gather is started one attention call ahead (`_GatherChain`), and the
+gradients go back to their owners by reduce-scatter. The forward gather is exposed: a layer's
+attention needs it at once. (A ring that overlaps it too needs the op to take a block of queries
+against an earlier block of keys with the gate sum between them as an offset; see bench/NOTES.md.)
 """
-import math
 import os
 import weakref
 from typing import List, Optional, Sequence
@@ -83,84 +86,86 @@ def _overlap_enabled() -> bool:
     return os.environ.get("FOX_CP_OVERLAP", "1") != "0"
 
 
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 7) // 8 * 8
+def _in_sequence_order(where: "_SequenceLayout", batch: int, needed: int) -> bool:
+    """Whether the gathered buffer (rank, batch, row) already holds the first `needed` positions
+    in sequence order: one sequence, and each piece at its owner's slot (contiguous chunks, every
+    one but the last as long as the longest)."""
+    rows = max(where.lengths)
+    return batch == 1 and all(start == owner * rows + offset
+                              for start, owner, offset, _ in where.pieces if start < needed)
 
 
 class _PendingGather:
-    """K, V and the gates of every rank, in flight: one all-gather of the three packed into one
-    row of bytes per position (each rank's part padded to the longest), started at construction.
-    `prefix` waits for it and assembles the first positions of the sequence from the pieces."""
+    """K, V and the gates of every rank, in flight: one all-gather per tensor into a buffer
+    (rank, batch, row, ...), each rank's part padded to the longest, started at construction.
+    `prefix` waits for them and assembles the first positions of the sequence from the pieces:
+    one copy per tensor, none where the buffer is in sequence order already."""
 
     def __init__(self, tensors, group, where: "_SequenceLayout"):
-        batch, length = tensors[0].shape[:2]
         rows = max(where.lengths)
-        self.shapes = [tuple(t.shape[2:]) for t in tensors]
-        self.dtypes = [t.dtype for t in tensors]
-        widths = [math.prod(t.shape[2:]) * t.element_size() for t in tensors]
-        self.columns, column = [], 0
-        for width in widths:  # 8-byte aligned columns, so that each one views back as its dtype
-            self.columns.append((column, column + width))
-            column += _aligned(width)
-        # Rows past this rank's length are sent but never read: left uninitialized.
-        packed = tensors[0].new_empty((batch, rows, column), dtype=torch.uint8)
-        for t, (a, b) in zip(tensors, self.columns):
-            packed[:, :length, a:b] = t.reshape(batch, length, -1).contiguous().view(torch.uint8)
-        self.buffer = packed.new_empty((len(where.lengths),) + tuple(packed.shape))
-        # Flat views: gloo takes only the concatenated form of the output.
-        self.work = dist.all_gather_into_tensor(self.buffer.view(-1), packed.view(-1), group=group,
-                                                async_op=True)
-        self.where = where
+        self.buffers, self.works, self.where = [], [], where
+        for t in tensors:
+            local = t.contiguous()
+            if t.shape[1] < rows:  # padding rows are sent but never read: left uninitialized
+                local = t.new_empty((t.shape[0], rows) + tuple(t.shape[2:]))
+                local[:, :t.shape[1]] = t
+            buffer = local.new_empty((len(where.lengths),) + tuple(local.shape))
+            # Flat views: gloo takes only the concatenated form of the output.
+            self.works.append(dist.all_gather_into_tensor(buffer.view(-1), local.view(-1),
+                                                          group=group, async_op=True))
+            self.buffers.append(buffer)
 
     def prefix(self, needed: int):
         """The first `needed` positions of the whole sequence, one tensor per gathered input."""
-        self.work.wait()
-        batch = self.buffer.shape[1]
+        for work in self.works:
+            work.wait()
         out = []
-        for (a, b), shape, dtype in zip(self.columns, self.shapes, self.dtypes):
-            parts = [self.buffer[owner, :, offset:offset + n, a:b]
-                     for start, owner, offset, n in self.where.pieces if start < needed]
-            flat = torch.cat(parts, 1)[:, :needed].contiguous().view(dtype)
-            out.append(flat.view((batch, needed) + shape))
-        self.buffer = None  # the packed copy is not needed past the assembly
+        for buffer in self.buffers:
+            if _in_sequence_order(self.where, buffer.shape[1], needed):
+                out.append(buffer.view((1, -1) + tuple(buffer.shape[3:]))[:, :needed])
+            else:
+                out.append(torch.cat([buffer[owner, :, offset:offset + n]
+                                      for start, owner, offset, n in self.where.pieces
+                                      if start < needed], 1)[:, :needed])
+        self.buffers = None
         return out
 
 
 def _reduce_to_owners(grads, group, where: "_SequenceLayout"):
     """_PendingGather's transpose: every rank's gradients of its assembled prefix, summed over the
-    ranks, each rank getting its own pieces in local order. Gradients of one dtype travel
-    together: one reduce-scatter each (each rank receives only its part); FOX_CP_OVERLAP=0
-    restores the all-reduce of the whole sequence."""
+    ranks, each rank getting its own pieces in local order: one reduce-scatter per tensor (each
+    rank receives only its part); FOX_CP_OVERLAP=0 restores the all-reduce of the whole
+    sequence."""
     rank, world_size = dist.get_rank(group), len(where.lengths)
     rows, mine = max(where.lengths), where.lengths[rank]
-    out = [None] * len(grads)
-    for dtype in dict.fromkeys(g.dtype for g in grads):
-        members = [i for i, g in enumerate(grads) if g.dtype == dtype]
-        batch = grads[members[0]].shape[0]
-        flats = [grads[i].reshape(batch, grads[i].shape[1], -1) for i in members]
-        widths = [f.shape[2] for f in flats]
-        seq = torch.cat(flats, 2)  # (B, needed, sum of widths)
-        total = seq.new_zeros((world_size, batch, rows, seq.shape[2]))
-        for start, owner, offset, n in where.pieces:
-            if start < seq.shape[1]:
-                total[owner, :, offset:offset + n] = seq[:, start:start + n]
+    out = []
+    for grad in grads:
+        batch, needed, inner = grad.shape[0], grad.shape[1], tuple(grad.shape[2:])
+        if _in_sequence_order(where, batch, needed) and needed == world_size * rows:
+            total = grad.contiguous().view((world_size, 1, rows) + inner)
+        else:
+            # Padding rows are summed but never read; the pieces this rank did not attend to
+            # must be zeros.
+            every = all(start < needed for start, _, _, _ in where.pieces)
+            total = (grad.new_empty if every else grad.new_zeros)((world_size, batch, rows) + inner)
+            for start, owner, offset, n in where.pieces:
+                if start < needed:
+                    total[owner, :, offset:offset + n] = grad[:, start:start + n]
         if _overlap_enabled():
             part = total.new_empty(total.shape[1:])
             dist.reduce_scatter_tensor(part.view(-1), total.view(-1), group=group)
         else:
-            dist.all_reduce(total, group=group)
+            dist.all_reduce(total, group=group)  # in place: the gradient is this call's own
             part = total[rank]
-        columns = torch.split(part[:, :mine], widths, 2)
-        for i, column in zip(members, columns):
-            out[i] = column.reshape((batch, mine) + tuple(grads[i].shape[2:])).contiguous()
+        out.append(part[:, :mine] if mine == rows else part[:, :mine].contiguous())
     return out
 
 
 class _GatherChain:
     """Backward prefetch across the attention calls of one forward pass. Each call links to the
-    one before it (the next in backward order); when a call's backward starts, it starts the
-    all-gather of the previous call's K, V and gates, which then runs during the work between
-    the two (the previous layer's MLP and projections). Only weak references are kept: a call
+    one before it (the next in backward order); when a call's backward has launched its work,
+    it starts the all-gather of the previous call's K, V and gates, which then runs during the
+    work between the two (this layer's projections, the previous layer's MLP). Only weak references are kept: a call
     whose tensors were freed (activation checkpointing recomputes them later) is not
     prefetched, and nothing is held alive longer than autograd holds it."""
 
@@ -223,25 +228,38 @@ class _GatheredAttention(torch.autograd.Function):
         pending = entry.take() if entry is not None else None
         if pending is None:
             pending = _PendingGather((k, v, log_fgate), group, where)
-        if entry is not None:  # the next attention call in backward order: start its gather
+        k_seq, v_seq, g_seq = pending.prefix(ctx.needed)
+        dq = torch.empty_like(q) if len(where.mine) > 1 else None
+        seq_grads = None  # dK, dV, dlog_fgate of the prefix
+        # The piece with the longest prefix first: its gradients cover the whole prefix, the
+        # others' are added to their part of it.
+        order = sorted(range(len(where.mine)), key=lambda i: -sum(where.mine[i][::2]))
+        for i in order:
+            start, offset, n = where.mine[i]
+            piece = slice(offset, offset + n)
+            dq_i, *grads_i = torch.ops.fox.forgetting_attention_bwd(
+                grad[:, piece].contiguous(), q[:, piece], k_seq[:, :start + n],
+                v_seq[:, :start + n], g_seq[:, :start + n], out[:, piece], lses[i], None, None,
+                ctx.sm_scale, ctx.adaptive_threshold, None)
+            grads_i[2] = grads_i[2].to(g_seq.dtype)
+            if dq is None:
+                dq = dq_i
+            else:
+                dq[:, piece] = dq_i
+            if seq_grads is None:
+                seq_grads = grads_i
+            else:
+                for total, part in zip(seq_grads, grads_i):
+                    total[:, :start + n] += part
+        dk, dv, dg = _reduce_to_owners(seq_grads, group, where)
+        # The next attention call in backward order: its gather starts now, behind this call's
+        # reduce-scatter, and runs while the layers between the two run their backward. Started
+        # before this call's kernels instead, it waited for the SMs they hold and delayed the
+        # reduce-scatter queued behind it (a slower step than no prefetch at all).
+        if entry is not None:
             previous, entry.previous = entry.previous, None
             if previous is not None and _overlap_enabled():
                 previous.prefetch()
-        k_seq, v_seq, g_seq = pending.prefix(ctx.needed)
-        dq = torch.empty_like(q)
-        dk_seq, dv_seq = torch.zeros_like(k_seq), torch.zeros_like(v_seq)
-        dg_seq = torch.zeros_like(g_seq)
-        for (start, offset, n), lse in zip(where.mine, lses):
-            piece = slice(offset, offset + n)
-            dq_i, dk_i, dv_i, dg_i = torch.ops.fox.forgetting_attention_bwd(
-                grad[:, piece].contiguous(), q[:, piece], k_seq[:, :start + n],
-                v_seq[:, :start + n], g_seq[:, :start + n], out[:, piece], lse, None, None,
-                ctx.sm_scale, ctx.adaptive_threshold, None)
-            dq[:, piece] = dq_i
-            dk_seq[:, :start + n] += dk_i
-            dv_seq[:, :start + n] += dv_i
-            dg_seq[:, :start + n] += dg_i.to(dg_seq.dtype)
-        dk, dv, dg = _reduce_to_owners((dk_seq, dv_seq, dg_seq), group, where)
         return dq, dk, dv, dg, None, None, None, None, None
 
 
