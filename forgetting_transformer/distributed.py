@@ -86,6 +86,11 @@ def _overlap_enabled() -> bool:
     return os.environ.get("FOX_CP_OVERLAP", "1") != "0"
 
 
+def _prune_across_ranks() -> bool:
+    """FOX_CP_PRUNE=0 keeps the all-gather under pruning (read at each call: side by side)."""
+    return os.environ.get("FOX_CP_PRUNE", "1") != "0"
+
+
 def _in_sequence_order(where: "_SequenceLayout", batch: int, needed: int) -> bool:
     """Whether the gathered buffer (rank, batch, row) already holds the first `needed` positions
     in sequence order: one sequence, and each piece at its owner's slot (contiguous chunks, every
@@ -303,6 +308,165 @@ def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayou
     return _SequenceLayout(_chunk_lengths(length, group, device), dist.get_rank(group), layout, who)
 
 
+class _PrunedExchange:
+    """Pruning across ranks: which pieces of the sequence each rank needs when the pruning
+    threshold rules out distant ones, and the exchange of only those (all_to_all with uneven
+    splits in place of the all-gather).
+
+    Key piece j matters to query piece i > j only if, for some batch row and head, the largest
+    gate bias between them reaches the threshold; that bias is at most the sum of the gate totals
+    of the pieces strictly between them (log f <= 0, so farther pieces only fall further). The
+    totals come from one all-gather of each piece's per-(row, head) sums, so every rank derives
+    the same plan. `first[i]` is the first piece query piece i needs (it needs every one from
+    there to itself); a rank's op calls then start at that piece, as the single-process op
+    skips the tiles before it."""
+
+    def __init__(self, log_fgate, group, where: "_SequenceLayout", threshold: float):
+        rank, world_size = dist.get_rank(group), len(where.lengths)
+        owned = [[i for i, p in enumerate(where.pieces) if p[1] == r] for r in range(world_size)]
+        owned = [sorted(ids, key=lambda i: where.pieces[i][2]) for ids in owned]  # local order
+        per_rank = max(len(ids) for ids in owned)
+        batch, heads = log_fgate.shape[0], log_fgate.shape[2]
+        mine = log_fgate.new_zeros((per_rank, batch, heads), dtype=torch.float64)
+        for slot, i in enumerate(owned[rank]):
+            _, _, offset, n = where.pieces[i]
+            mine[slot] = log_fgate[:, offset:offset + n].double().sum(1)
+        every = mine.new_empty((world_size,) + tuple(mine.shape))
+        dist.all_gather_into_tensor(every.view(-1), mine.view(-1), group=group)
+        every = every.cpu()
+        totals = [every[where.pieces[i][1], owned[where.pieces[i][1]].index(i)]
+                  for i in range(len(where.pieces))]
+        self.first = []
+        for i in range(len(where.pieces)):
+            first, between = i, torch.zeros(batch, heads, dtype=torch.float64)
+            for j in range(i - 1, -1, -1):
+                if float(between.max()) < threshold:
+                    break
+                first, between = j, between + totals[j]
+            self.first.append(first)
+        needs = [sorted({j for i in owned[r] for j in range(self.first[i], i + 1)} - set(owned[r]))
+                 for r in range(world_size)]
+        self.prunes = any(self.first[i] > 0 for i in range(len(where.pieces)))
+        self.where, self.group, self.rank, self.owned = where, group, rank, owned
+        # Pieces this rank sends to each rank, and receives from each, in sequence order.
+        self.send = [[j for j in needs[r] if where.pieces[j][1] == rank] for r in range(world_size)]
+        self.receive = [[j for j in needs[rank] if where.pieces[j][1] == o]
+                        for o in range(world_size)]
+        self.sent_rows = sum(where.pieces[j][3] for ids in self.send for j in ids)
+
+    def _rows(self, ids):
+        return sum(self.where.pieces[j][3] for j in ids)
+
+    def _all_to_all(self, parts_to, parts_from_sizes, like):
+        """parts_to[r]: the (B, n, ...) tensors to send rank r; returns the received rows as
+        (B, rows, ...), rank after rank. The exchange runs along dim 0: rows first."""
+        inner = tuple(like.shape[2:])
+        flat = [t.movedim(1, 0) for parts in parts_to for t in parts]
+        send = (torch.cat(flat, 0) if flat else like.new_empty((0, like.shape[0]) + inner))
+        received = like.new_empty((sum(parts_from_sizes), like.shape[0]) + inner)
+        dist.all_to_all_single(received, send.contiguous(), parts_from_sizes,
+                               [sum(t.shape[1] for t in parts) for parts in parts_to],
+                               group=self.group)
+        return received.movedim(0, 1)
+
+    def exchange(self, tensors):
+        """{piece index: [its rows of each tensor]} for every piece this rank needs or owns."""
+        where = self.where
+        pieces = {}
+        for i in self.owned[self.rank]:
+            _, _, offset, n = where.pieces[i]
+            pieces[i] = [t[:, offset:offset + n] for t in tensors]
+        order = [j for ids in self.receive for j in ids]
+        sizes = [self._rows(ids) for ids in self.receive]
+        for slot, t in enumerate(tensors):
+            to = [[t[:, where.pieces[j][2]:where.pieces[j][2] + where.pieces[j][3]] for j in ids]
+                  for ids in self.send]
+            rows = torch.split(self._all_to_all(to, sizes, t),
+                               [where.pieces[j][3] for j in order], 1)
+            for j, part in zip(order, rows):
+                pieces.setdefault(j, [None] * len(tensors))[slot] = part
+        return pieces
+
+    def return_to_owners(self, grads, local_lengths):
+        """The transpose of `exchange`: grads {piece: [gradient of each tensor]} summed into
+        each owner's local tensors (this rank's own gradients first, then every other rank's in
+        rank order)."""
+        where, n_tensors = self.where, len(local_lengths)
+        sizes = [self._rows(ids) for ids in self.send]
+        received = []
+        for slot in range(n_tensors):
+            like = next(g[slot] for g in grads.values())
+            to = [[grads[j][slot] for j in ids] for ids in self.receive]
+            rows = self._all_to_all(to, sizes, like)
+            received.append(torch.split(rows, [where.pieces[j][3] for ids in self.send
+                                               for j in ids], 1))
+        out = []
+        for slot in range(n_tensors):
+            like = next(g[slot] for g in grads.values())
+            total = like.new_zeros((like.shape[0], local_lengths[slot]) + tuple(like.shape[2:]))
+            for i in self.owned[self.rank]:
+                _, _, offset, n = where.pieces[i]
+                if i in grads:
+                    total[:, offset:offset + n] += grads[i][slot]
+            for j, part in zip([j for ids in self.send for j in ids], received[slot]):
+                offset, n = where.pieces[j][2], where.pieces[j][3]
+                total[:, offset:offset + n] += part
+            out.append(total)
+        return out
+
+
+class _PrunedAttention(torch.autograd.Function):
+    """_GatheredAttention under pruning across ranks: each query piece attends from the first
+    piece its plan needs, and only the pieces some rank needs are exchanged."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_fgate, plan: _PrunedExchange, sm_scale, adaptive_threshold):
+        pieces = plan.exchange((k, v, log_fgate))
+        outs, lses = [], []
+        for start, offset, n in plan.where.mine:
+            i = _piece_index(plan.where, start)
+            keys = [torch.cat([pieces[j][slot] for j in range(plan.first[i], i + 1)], 1)
+                    for slot in range(3)]
+            out, lse = torch.ops.fox.forgetting_attention_fwd(
+                q[:, offset:offset + n], *keys, None, None, sm_scale, adaptive_threshold, None)
+            outs.append(out)
+            lses.append(lse)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
+        ctx.plan, ctx.sm_scale, ctx.adaptive_threshold = plan, sm_scale, adaptive_threshold
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, log_fgate, out, *lses = ctx.saved_tensors
+        plan = ctx.plan
+        pieces = plan.exchange((k, v, log_fgate))
+        dq = torch.empty_like(q)
+        grads = {}  # piece -> [dK, dV, dlog_fgate] of that piece, summed over this rank's queries
+        for (start, offset, n), lse in zip(plan.where.mine, lses):
+            i = _piece_index(plan.where, start)
+            span = list(range(plan.first[i], i + 1))
+            keys = [torch.cat([pieces[j][slot] for j in span], 1) for slot in range(3)]
+            dq_i, *d = torch.ops.fox.forgetting_attention_bwd(
+                grad[:, offset:offset + n].contiguous(), q[:, offset:offset + n], *keys,
+                out[:, offset:offset + n], lse, None, None, ctx.sm_scale, ctx.adaptive_threshold,
+                None)
+            dq[:, offset:offset + n] = dq_i
+            d[2] = d[2].to(log_fgate.dtype)
+            for j, parts in zip(span, zip(*(torch.split(t, [plan.where.pieces[j][3]
+                                                            for j in span], 1) for t in d))):
+                if j in grads:
+                    grads[j] = [a + b for a, b in zip(grads[j], parts)]
+                else:
+                    grads[j] = list(parts)
+        dk, dv, dg = plan.return_to_owners(grads, [k.shape[1], v.shape[1], log_fgate.shape[1]])
+        return dq, dk, dv, dg, None, None, None
+
+
+def _piece_index(where: "_SequenceLayout", start: int) -> int:
+    return next(i for i, p in enumerate(where.pieces) if p[0] == start)
+
+
 def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold,
             chain: Optional[_GatherChain] = None):
     """The local queries against the prefix of the sequence each of their pieces needs; with a
@@ -314,6 +478,12 @@ def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptiv
                    for t in (q, k, v))
         if log_fgate.dtype != torch.float64:
             log_fgate = log_fgate.float()
+    if adaptive_threshold is not None and _prune_across_ranks():
+        plan = _PrunedExchange(log_fgate.detach(), group, where, adaptive_threshold)
+        if plan.prunes:
+            with torch.autocast(q.device.type, enabled=False):
+                return _PrunedAttention.apply(q, k, v, log_fgate, plan, sm_scale,
+                                              adaptive_threshold)
     entry = None
     if chain is not None and torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, k, v, log_fgate)):

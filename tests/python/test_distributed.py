@@ -52,13 +52,16 @@ def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, ranks=None
         for p in parts:  # the gathered sequence is not kept: local tensors and the lse only
             lse_bound = p["out"].shape[0] * p["out"].shape[1] * p["out"].shape[2] * 8
             assert 0 < p["saved_bytes"] <= p["local_bytes"] + lse_bound, (name, p["saved_bytes"])
+        results.setdefault("sent_rows", {})[name] = [p["sent_rows"] for p in parts]
     return results
 
 
-def single_process(lengths, dtype, heads=4, kv_heads=4, head_dim=32, seed=0):
-    q, k, v, lf, grad_out = full_inputs(lengths, heads, kv_heads, head_dim, dtype, seed, "cpu")
+def single_process(lengths, dtype, heads=4, kv_heads=4, head_dim=32, seed=0, gate_bias=2.0,
+                   threshold=None):
+    q, k, v, lf, grad_out = full_inputs(lengths, heads, kv_heads, head_dim, dtype, seed, "cpu",
+                                        gate_bias)
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, lf)]
-    out = forgetting_attention(*leaves)
+    out = forgetting_attention(*leaves, adaptive_threshold=threshold)
     out.backward(grad_out)
     return out.detach(), [t.grad for t in leaves]
 
@@ -108,6 +111,37 @@ def test_zigzag_matches_single_process(tmp_path, ranks, total, kv_heads):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=name)
     if "bfloat16" in results:
         check_bfloat16([total], *results["bfloat16"], kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("ranks,lengths,layout,sent", [
+    # log f ~ -3 a position: a piece ~60 below the threshold of -15 once a piece lies between.
+    (4, [20, 20, 20, 20], "contiguous", [20, 20, 20, 0]),  # each piece to the next rank only
+    (3, [60], "zigzag", None),   # chunks of 10: r and 5-r; rank 0's late chunk needs 3 and 4
+])
+def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
+    """With adaptive_threshold, a piece whose largest bias to every query of a rank is below the
+    threshold for every head is neither sent to that rank nor attended to: the result equals the
+    single-process op with the same threshold (float64, to rounding), fewer rows travel than the
+    all-gather's (P - 1) per row, and FOX_CP_PRUNE=0 (the all-gather) gives the same result."""
+    opts = dict(threshold=-15.0, gate_bias=-3.0, layout=layout)
+    total = sum(lengths)
+    (tmp_path / "pruned").mkdir()
+    (tmp_path / "gathered").mkdir()
+    results = run_ranks(tmp_path / "pruned", lengths, ranks=ranks, **opts)
+    plain = run_ranks(tmp_path / "gathered", lengths, ranks=ranks,
+                      env_extra={"FOX_CP_PRUNE": "0"}, **opts)
+    ref_out, ref_grads = single_process([total], torch.float64, gate_bias=-3.0, threshold=-15.0)
+    for got in (results["float64"], plain["float64"]):
+        for name, a, b in zip(NAMES, [got[0]] + got[1], [ref_out] + ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    rows = results["sent_rows"]["float64"]
+    assert all(len(r) == 1 and r[0] is not None for r in rows), rows  # one plan, pruning
+    sent_rows = [r[0] for r in rows]
+    all_gather_rows = (ranks - 1) * total
+    assert sum(sent_rows) < all_gather_rows, (sent_rows, all_gather_rows)
+    if sent is not None:
+        assert sent_rows == sent
+    assert plain["sent_rows"]["float64"] == [[] for _ in range(ranks)]
 
 
 def test_zigzag_shard_round_trip():
