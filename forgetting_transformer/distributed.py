@@ -159,10 +159,10 @@ def _reduce_to_owners(grads, group, where: "_SequenceLayout"):
         if _overlap_enabled():
             part = total.new_empty(total.shape[1:])
             dist.reduce_scatter_tensor(part.view(-1), total.view(-1), group=group)
+            out.append(part if mine == rows else part[:, :mine].contiguous())
         else:
             dist.all_reduce(total, group=group)  # in place: the gradient is this call's own
-            part = total[rank]
-        out.append(part[:, :mine] if mine == rows else part[:, :mine].contiguous())
+            out.append(total[rank, :, :mine].clone())  # not a view that keeps `total` alive
     return out
 
 
@@ -170,9 +170,9 @@ class _GatherChain:
     """Backward prefetch across the attention calls of one forward pass. Each call links to the
     one before it (the next in backward order); when a call's backward has launched its work,
     it starts the all-gather of the previous call's K, V and gates, which then runs during the
-    work between the two (this layer's projections, the previous layer's MLP). Only weak references are kept: a call
-    whose tensors were freed (activation checkpointing recomputes them later) is not
-    prefetched, and nothing is held alive longer than autograd holds it."""
+    work between the two (this layer's projections, the previous layer's MLP). Only weak
+    references are kept: a call whose tensors were freed (activation checkpointing recomputes
+    them later) is not prefetched, and nothing is held alive longer than autograd holds it."""
 
     def __init__(self):
         self.last = None
@@ -349,7 +349,8 @@ class _PrunedExchange:
         self.prunes = any(self.first[i] > 0 for i in range(len(where.pieces)))
         self.where, self.group, self.rank, self.owned = where, group, rank, owned
         # Pieces this rank sends to each rank, and receives from each, in sequence order.
-        self.send = [[j for j in needs[r] if where.pieces[j][1] == rank] for r in range(world_size)]
+        self.send = [[j for j in needs[r] if where.pieces[j][1] == rank]
+                     for r in range(world_size)]
         self.receive = [[j for j in needs[rank] if where.pieces[j][1] == o]
                         for o in range(world_size)]
         self.sent_rows = sum(where.pieces[j][3] for ids in self.send for j in ids)

@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
     ap.add_argument("--threshold", type=float, default=None, help="adaptive_threshold")
-    ap.add_argument("--gate-bias", type=float, default=2.0, help="log f = logsigmoid(N(0,1) + this)")
+    ap.add_argument("--gate-bias", type=float, default=2.0,
+                    help="log f = logsigmoid(N(0,1) + this)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     # Rows each pruning plan sends (the saved file reports them).
