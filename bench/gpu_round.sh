@@ -12,7 +12,7 @@
 # model      bench_model.py (training step), for the cost of the wrapper layers
 # context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
 #            64k-256k (the same lengths and the same tokens per GPU), the overlap against
-#            FOX_CP_OVERLAP=0 side by side
+#            FOX_CP_OVERLAP=0 side by side, then 4 head groups against 1
 # context_parallel_longest  (2 GPUs) the longest sequence that fits on 1 and on 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,9 @@ for stage in "$@"; do
       python3 -m torch.distributed.run --nproc_per_node 1 bench/bench_context_parallel.py \
         --seqlen 32768 65536 131072 2>&1 | tee -a "$OUT/context_parallel.log"
       python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
-        --seqlen 65536 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 | tee -a "$OUT/context_parallel.log" ;;
+        --seqlen 65536 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 | tee -a "$OUT/context_parallel.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --seqlen 65536 131072 --ab FOX_CP_HEAD_GROUPS=4 2>&1 | tee -a "$OUT/context_parallel.log" ;;
     context_parallel_longest)
       for n in 1 2; do
         python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \

@@ -136,34 +136,66 @@ class _PendingGather:
         return out
 
 
-def _reduce_to_owners(grads, group, where: "_SequenceLayout"):
-    """_PendingGather's transpose: every rank's gradients of its assembled prefix, summed over the
-    ranks, each rank getting its own pieces in local order: one reduce-scatter per tensor (each
-    rank receives only its part); FOX_CP_OVERLAP=0 restores the all-reduce of the whole
-    sequence."""
-    rank, world_size = dist.get_rank(group), len(where.lengths)
-    rows, mine = max(where.lengths), where.lengths[rank]
-    out = []
-    for grad in grads:
-        batch, needed, inner = grad.shape[0], grad.shape[1], tuple(grad.shape[2:])
-        if _in_sequence_order(where, batch, needed) and needed == world_size * rows:
-            total = grad.contiguous().view((world_size, 1, rows) + inner)
-        else:
-            # Padding rows are summed but never read; the pieces this rank did not attend to
-            # must be zeros.
-            every = all(start < needed for start, _, _, _ in where.pieces)
-            total = (grad.new_empty if every else grad.new_zeros)((world_size, batch, rows) + inner)
-            for start, owner, offset, n in where.pieces:
-                if start < needed:
-                    total[owner, :, offset:offset + n] = grad[:, start:start + n]
-        if _overlap_enabled():
-            part = total.new_empty(total.shape[1:])
-            dist.reduce_scatter_tensor(part.view(-1), total.view(-1), group=group)
-            out.append(part if mine == rows else part[:, :mine].contiguous())
-        else:
-            dist.all_reduce(total, group=group)  # in place: the gradient is this call's own
-            out.append(total[rank, :, :mine].clone())  # not a view that keeps `total` alive
-    return out
+class _PendingReduction:
+    """_PendingGather's transpose, started at construction: every rank's gradients of its
+    assembled prefix, summed over the ranks, each rank getting its own pieces in local order.
+    One reduce-scatter per tensor (each rank receives only its part), in flight until `wait`;
+    FOX_CP_OVERLAP=0 restores the all-reduce of the whole sequence (done at once)."""
+
+    def __init__(self, grads, group, where: "_SequenceLayout"):
+        rank, world_size = dist.get_rank(group), len(where.lengths)
+        rows, mine = max(where.lengths), where.lengths[rank]
+        self.parts, self.works, self.mine = [], [], mine
+        for grad in grads:
+            batch, needed, inner = grad.shape[0], grad.shape[1], tuple(grad.shape[2:])
+            if _in_sequence_order(where, batch, needed) and needed == world_size * rows:
+                total = grad.contiguous().view((world_size, 1, rows) + inner)
+            else:
+                # Padding rows are summed but never read; the pieces this rank did not attend to
+                # must be zeros.
+                every = all(start < needed for start, _, _, _ in where.pieces)
+                total = (grad.new_empty if every else grad.new_zeros)(
+                    (world_size, batch, rows) + inner)
+                for start, owner, offset, n in where.pieces:
+                    if start < needed:
+                        total[owner, :, offset:offset + n] = grad[:, start:start + n]
+            if _overlap_enabled():
+                part = total.new_empty(total.shape[1:])
+                self.works.append(dist.reduce_scatter_tensor(
+                    part.view(-1), total.view(-1), group=group, async_op=True))
+                self.parts.append(part)
+            else:
+                dist.all_reduce(total, group=group)  # in place: the gradient is this call's own
+                self.parts.append(total[rank, :, :mine].clone())  # not a view keeping `total`
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return [p if p.shape[1] == self.mine else p[:, :self.mine].contiguous()
+                for p in self.parts]
+
+
+def _head_groups(num_heads: int, num_kv_heads: int):
+    """The heads in FOX_CP_HEAD_GROUPS groups of whole KV groups (read at each call; 1 by
+    default, fewer where the KV heads do not divide): (KV head slice, query head slice) each.
+    With more than one, a group's attention runs while the next group's keys are still being
+    gathered, and its gradients travel while the next group's backward runs."""
+    wanted = int(os.environ.get("FOX_CP_HEAD_GROUPS", "1") or 1)
+    groups = max(1, min(wanted, num_kv_heads))
+    while num_kv_heads % groups:
+        groups -= 1
+    kv, q = num_kv_heads // groups, num_heads // groups
+    return [(slice(i * kv, (i + 1) * kv), slice(i * q, (i + 1) * q)) for i in range(groups)]
+
+
+def _gather_heads(k, v, log_fgate, group, where, heads):
+    """One _PendingGather per head group, all started now (they complete in order)."""
+    return [_PendingGather((k[:, :, kv], v[:, :, kv], log_fgate[:, :, qh]), group, where)
+            for kv, qh in heads]
+
+
+def _cat(tensors, dim):
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
 class _GatherChain:
@@ -180,83 +212,95 @@ class _GatherChain:
     def reset(self):
         self.last = None
 
-    def link(self, tensors, group, where):
-        entry = _ChainEntry(tensors, group, where, self.last)
+    def link(self, tensors, group, where, heads):
+        entry = _ChainEntry(tensors, group, where, heads, self.last)
         self.last = entry
         return entry
 
 
 class _ChainEntry:
-    def __init__(self, tensors, group, where, previous):
+    def __init__(self, tensors, group, where, heads, previous):
         self.refs = [weakref.ref(t) for t in tensors]
-        self.group, self.where, self.previous = group, where, previous
-        self.pending: Optional[_PendingGather] = None
+        self.group, self.where, self.heads, self.previous = group, where, heads, previous
+        self.pending: Optional[List[_PendingGather]] = None
 
     def prefetch(self):
         tensors = [r() for r in self.refs]
         if self.pending is None and all(t is not None for t in tensors):
-            self.pending = _PendingGather(tensors, self.group, self.where)
+            self.pending = _gather_heads(*tensors, self.group, self.where, self.heads)
 
-    def take(self) -> Optional[_PendingGather]:
+    def take(self) -> Optional[List[_PendingGather]]:
         pending, self.pending = self.pending, None
         return pending
 
 
 class _GatheredAttention(torch.autograd.Function):
     """This rank's queries against the prefix of the sequence each of their pieces needs, through
-    the op's forward and backward kernels. The gathered keys, values and gates are not kept for
-    the backward, which gathers them again (prefetched while the layers after this one run their
-    backward, when a _GatherChain links the calls): a rank keeps its own part of the sequence
-    between the passes, not the whole (as the layers around attention do)."""
+    the op's forward and backward kernels, head group after head group (_head_groups). The
+    gathered keys, values and gates are not kept for the backward, which gathers them again
+    (prefetched while the layers after this one run their backward, when a _GatherChain links
+    the calls): a rank keeps its own part of the sequence between the passes, not the whole (as
+    the layers around attention do)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold, entry):
+    def forward(ctx, q, k, v, log_fgate, group, where, sm_scale, adaptive_threshold, heads,
+                entry):
         needed = max(start + n for start, _, n in where.mine)
-        k_seq, v_seq, g_seq = _PendingGather((k, v, log_fgate), group, where).prefix(needed)
-        outs, lses = [], []
-        for start, offset, n in where.mine:
-            out, lse = torch.ops.fox.forgetting_attention_fwd(
-                q[:, offset:offset + n], k_seq[:, :start + n], v_seq[:, :start + n],
-                g_seq[:, :start + n], None, None, sm_scale, adaptive_threshold, None)
-            outs.append(out)
-            lses.append(lse)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        outs = [[] for _ in where.mine]  # per piece, per head group
+        lses = [[] for _ in where.mine]
+        for (_, qh), gathered in zip(heads, _gather_heads(k, v, log_fgate, group, where, heads)):
+            k_seq, v_seq, g_seq = gathered.prefix(needed)
+            for p, (start, offset, n) in enumerate(where.mine):
+                out, lse = torch.ops.fox.forgetting_attention_fwd(
+                    q[:, offset:offset + n, qh], k_seq[:, :start + n], v_seq[:, :start + n],
+                    g_seq[:, :start + n], None, None, sm_scale, adaptive_threshold, None)
+                outs[p].append(out)
+                lses[p].append(lse)
+        out = _cat([_cat(o, 2) for o in outs], 1)
+        lses = [_cat(lse, 1) for lse in lses]  # (B, H, piece length)
         ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
-        ctx.group, ctx.where, ctx.needed, ctx.entry = group, where, needed, entry
+        ctx.group, ctx.where, ctx.needed, ctx.heads, ctx.entry = group, where, needed, heads, entry
         ctx.sm_scale, ctx.adaptive_threshold = sm_scale, adaptive_threshold
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, log_fgate, out, *lses = ctx.saved_tensors
-        where, group, entry = ctx.where, ctx.group, ctx.entry
-        pending = entry.take() if entry is not None else None
-        if pending is None:
-            pending = _PendingGather((k, v, log_fgate), group, where)
-        k_seq, v_seq, g_seq = pending.prefix(ctx.needed)
-        dq = torch.empty_like(q) if len(where.mine) > 1 else None
-        seq_grads = None  # dK, dV, dlog_fgate of the prefix
+        where, group, entry, heads = ctx.where, ctx.group, ctx.entry, ctx.heads
+        gathers = entry.take() if entry is not None else None
+        if gathers is None:
+            gathers = _gather_heads(k, v, log_fgate, group, where, heads)
+        one_piece = len(where.mine) == 1 and len(heads) == 1
+        dq = None if one_piece else torch.empty_like(q)
+        reductions = []
         # The piece with the longest prefix first: its gradients cover the whole prefix, the
         # others' are added to their part of it.
         order = sorted(range(len(where.mine)), key=lambda i: -sum(where.mine[i][::2]))
-        for i in order:
-            start, offset, n = where.mine[i]
-            piece = slice(offset, offset + n)
-            dq_i, *grads_i = torch.ops.fox.forgetting_attention_bwd(
-                grad[:, piece].contiguous(), q[:, piece], k_seq[:, :start + n],
-                v_seq[:, :start + n], g_seq[:, :start + n], out[:, piece], lses[i], None, None,
-                ctx.sm_scale, ctx.adaptive_threshold, None)
-            grads_i[2] = grads_i[2].to(g_seq.dtype)
-            if dq is None:
-                dq = dq_i
-            else:
-                dq[:, piece] = dq_i
-            if seq_grads is None:
-                seq_grads = grads_i
-            else:
-                for total, part in zip(seq_grads, grads_i):
-                    total[:, :start + n] += part
-        dk, dv, dg = _reduce_to_owners(seq_grads, group, where)
+        for (_, qh), gathered in zip(heads, gathers):
+            k_seq, v_seq, g_seq = gathered.prefix(ctx.needed)
+            seq_grads = None  # dK, dV, dlog_fgate of the prefix, for this head group
+            for i in order:
+                start, offset, n = where.mine[i]
+                piece = slice(offset, offset + n)
+                dq_i, *grads_i = torch.ops.fox.forgetting_attention_bwd(
+                    grad[:, piece, qh].contiguous(), q[:, piece, qh], k_seq[:, :start + n],
+                    v_seq[:, :start + n], g_seq[:, :start + n], out[:, piece, qh],
+                    lses[i][:, qh].contiguous(), None, None, ctx.sm_scale,
+                    ctx.adaptive_threshold, None)
+                grads_i[2] = grads_i[2].to(g_seq.dtype)
+                if one_piece:
+                    dq = dq_i
+                else:
+                    dq[:, piece, qh] = dq_i
+                if seq_grads is None:
+                    seq_grads = grads_i
+                else:
+                    for total, part in zip(seq_grads, grads_i):
+                        total[:, :start + n] += part
+            # In flight while the next head group's backward runs.
+            reductions.append(_PendingReduction(seq_grads, group, where))
+        parts = [r.wait() for r in reductions]  # per head group: dK, dV, dlog_fgate
+        dk, dv, dg = (_cat([p[t] for p in parts], 2) for t in range(3))
         # The next attention call in backward order: its gather starts now, behind this call's
         # reduce-scatter, and runs while the layers between the two run their backward. Started
         # before this call's kernels instead, it waited for the SMs they hold and delayed the
@@ -265,7 +309,7 @@ class _GatheredAttention(torch.autograd.Function):
             previous, entry.previous = entry.previous, None
             if previous is not None and _overlap_enabled():
                 previous.prefetch()
-        return dq, dk, dv, dg, None, None, None, None, None
+        return dq, dk, dv, dg, None, None, None, None, None, None
 
 
 class _SequenceLayout:
@@ -485,13 +529,14 @@ def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptiv
             with torch.autocast(q.device.type, enabled=False):
                 return _PrunedAttention.apply(q, k, v, log_fgate, plan, sm_scale,
                                               adaptive_threshold)
+    heads = _head_groups(q.shape[2], k.shape[2])
     entry = None
     if chain is not None and torch.is_grad_enabled() and any(
             t.requires_grad for t in (q, k, v, log_fgate)):
-        entry = chain.link((k, v, log_fgate), group, where)
+        entry = chain.link((k, v, log_fgate), group, where, heads)
     with torch.autocast(q.device.type, enabled=False):
         return _GatheredAttention.apply(q, k, v, log_fgate, group, where, sm_scale,
-                                        adaptive_threshold, entry)
+                                        adaptive_threshold, heads, entry)
 
 
 class _PreviousTokens(torch.autograd.Function):

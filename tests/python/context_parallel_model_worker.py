@@ -45,10 +45,12 @@ def main():
     ap.add_argument("--pruning", type=float, default=None)
     ap.add_argument("--checkpointing", type=int, default=0)
     ap.add_argument("--overlap", type=int, default=1, help="0: FOX_CP_OVERLAP=0")
+    ap.add_argument("--head-groups", type=int, default=1, help="FOX_CP_HEAD_GROUPS")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     if not args.overlap:
         os.environ["FOX_CP_OVERLAP"] = "0"
+    os.environ["FOX_CP_HEAD_GROUPS"] = str(args.head_groups)
     # Count the backward prefetches that start a gather (the saved file reports them).
     prefetches = []
     plain_prefetch = distributed._ChainEntry.prefetch

@@ -113,6 +113,25 @@ def test_zigzag_matches_single_process(tmp_path, ranks, total, kv_heads):
         check_bfloat16([total], *results["bfloat16"], kv_heads=kv_heads)
 
 
+@pytest.mark.parametrize("groups,ranks,lengths,layout,heads,kv_heads", [
+    ("2", 2, [30, 25], "contiguous", 4, 4),   # 2 groups of 2 heads
+    ("3", 3, [62], "zigzag", 4, 2),           # 3 asked, 2 KV heads: 2 groups of 1 KV head + 2 q heads
+    ("4", 2, [41, 40], "contiguous", 8, 4),   # 4 groups of 1 KV head and its 2 query heads
+])
+def test_head_groups_match_single_process(tmp_path, groups, ranks, lengths, layout, heads,
+                                          kv_heads):
+    """FOX_CP_HEAD_GROUPS: attention run head group after head group (each group's gather and
+    gradient reduction in flight during another group's work): the same result as one process
+    (float64, to rounding)."""
+    results = run_ranks(tmp_path, lengths, ranks=ranks, layout=layout, heads=heads,
+                        kv_heads=kv_heads, env_extra={"FOX_CP_HEAD_GROUPS": groups})
+    out, grads = results["float64"]
+    ref_out, ref_grads = single_process([sum(lengths)], torch.float64, heads=heads,
+                                        kv_heads=kv_heads)
+    for name, got, ref in zip(NAMES, [out] + grads, [ref_out] + ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("ranks,lengths,layout,sent", [
     # log f ~ -3 a position: a piece ~60 below the threshold of -15 once a piece lies between.
     (4, [20, 20, 20, 20], "contiguous", [20, 20, 20, 0]),  # each piece to the next rank only
@@ -234,6 +253,7 @@ def run_model_ranks(tmp_path, ranks, lengths, **opts):
     ("fox_pro", 2, [44], "zigzag", {"pruning": -10.0}),
     ("fox_pro", 2, [21, 19], "contiguous", {"checkpointing": 1}),
     ("fox_pro", 3, [36], "zigzag", {"overlap": 0}),
+    ("fox_llama", 2, [30, 26], "contiguous", {"head_groups": 2}),
 ])
 def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, extra):
     """Every preset run context-parallel (its KV-shift across ranks, RoPE at global positions,
