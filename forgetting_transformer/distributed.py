@@ -180,8 +180,10 @@ def _head_groups(num_heads: int, num_kv_heads: int):
     default, fewer where the KV heads do not divide): (KV head slice, query head slice) each.
     With more than one, a group's attention runs while the next group's keys are still being
     gathered, and its gradients travel while the next group's backward runs."""
-    wanted = int(os.environ.get("FOX_CP_HEAD_GROUPS", "1") or 1)
-    groups = max(1, min(wanted, num_kv_heads))
+    value = os.environ.get("FOX_CP_HEAD_GROUPS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"FOX_CP_HEAD_GROUPS must be a whole number >= 1, got {value!r}")
+    groups = min(int(value), num_kv_heads)
     while num_kv_heads % groups:
         groups -= 1
     kv, q = num_kv_heads // groups, num_heads // groups

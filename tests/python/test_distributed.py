@@ -181,8 +181,9 @@ def test_two_gpus_nccl(tmp_path, layout):
 
 
 def test_bad_layouts_are_clear_errors():
-    """In a process group of one (gloo): an unknown layout, and a sequence too short for the
-    zigzag chunks, are ValueErrors that say what was expected."""
+    """In a process group of one (gloo): an unknown layout, a sequence too short for the zigzag
+    chunks and a head group count that is not a number are ValueErrors that say what was
+    expected."""
     code = """
 import socket, torch, torch.distributed as dist
 from forgetting_transformer.distributed import context_parallel_attention
@@ -207,6 +208,14 @@ except ValueError as e:
     assert "at least 2 positions" in str(e), e
 else:
     raise AssertionError("1 position")
+import os
+os.environ["FOX_CP_HEAD_GROUPS"] = "two"
+try:
+    context_parallel_attention(t, t, t, g)
+except ValueError as e:
+    assert "FOX_CP_HEAD_GROUPS must be a whole number >= 1, got 'two'" in str(e), e
+else:
+    raise AssertionError("FOX_CP_HEAD_GROUPS=two")
 dist.destroy_process_group()
 print("ok")
 """
