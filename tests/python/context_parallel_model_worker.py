@@ -14,8 +14,8 @@ from forgetting_transformer.distributed import set_context_parallel, zigzag_shar
 from forgetting_transformer.nn import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
 
 
-def build(arch, dtype, kv_heads=None, pruning=None, seed=0):
-    """The model and its inputs: input_ids, labels (a few -100) and per-token loss weights."""
+def build(arch, dtype, kv_heads=None, pruning=None, seed=0, gate_bias=None):
+    """The model (gate_bias: every forget gate's bias set to it, for gates that forget fast)."""
     config = ForgettingTransformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
                                          num_heads=4).preset(arch)
     if kv_heads:
@@ -24,6 +24,11 @@ def build(arch, dtype, kv_heads=None, pruning=None, seed=0):
         config.log_pruning_tolerance = pruning
     torch.manual_seed(seed)
     model = ForgettingTransformerForCausalLM(config).to(dtype)
+    if gate_bias is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("fgate_proj.bias"):
+                    p.fill_(gate_bias)
     return model
 
 
@@ -46,6 +51,7 @@ def main():
     ap.add_argument("--checkpointing", type=int, default=0)
     ap.add_argument("--overlap", type=int, default=1, help="0: FOX_CP_OVERLAP=0")
     ap.add_argument("--head-groups", type=int, default=1, help="FOX_CP_HEAD_GROUPS")
+    ap.add_argument("--gate-bias", type=float, default=None)
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     if not args.overlap:
@@ -62,7 +68,8 @@ def main():
     distributed._ChainEntry.prefetch = counted_prefetch
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(args.arch, torch.float64, args.kv_heads, args.pruning)
+    model = build(args.arch, torch.float64, args.kv_heads, args.pruning,
+                  gate_bias=args.gate_bias)
     if args.checkpointing:
         model.set_activation_checkpointing(True)
     set_context_parallel(model, layout=args.layout)
