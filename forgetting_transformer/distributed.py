@@ -19,11 +19,25 @@ Two layouts of the sequence over the P ranks:
 This is the all-gather form of context parallelism: the activations of every other layer stay
 split, while attention needs K, V and the gates of the prefix on each rank; the gathered tensors
 are not kept for the backward pass, which gathers them again (a rank holds the whole sequence's
-K and V for one layer at a time, not for every layer). Communication overlaps compute in the
-backward pass: each layer's gather is started one attention call ahead (`_GatherChain`), and the
-gradients go back to their owners by reduce-scatter. The forward gather is exposed: a layer's
-attention needs it at once. (A ring that overlaps it too needs the op to take a block of queries
-against an earlier block of keys with the gate sum between them as an offset; see bench/NOTES.md.)
+K and V for one layer at a time, not for every layer).
+
+Communication and compute overlap:
+- backward: each layer's gather starts one attention call ahead (`_GatherChain`), and the
+  gradients go back to their owners by reduce-scatter;
+- both passes, opt-in (`FOX_CP_HEAD_GROUPS`): attention runs head group after head group, so
+  that one group's gather or reduce-scatter is in flight while another group computes.
+Otherwise the forward gather is exposed: a layer's attention needs it at once. (A ring would hide
+it without head groups. It needs the op to take a block of queries against an earlier block of
+keys, with the gate sum between them as an offset; see bench/NOTES.md.)
+
+Pruning across ranks (`_PrunedExchange`): with `adaptive_threshold`, a rank receives only the
+pieces whose gate bias to its queries can reach the threshold, by all_to_all in place of the
+all-gather.
+
+Switches, read at each call so that one process can time both sides:
+- `FOX_CP_OVERLAP=0`: no backward prefetch, and an all-reduce in place of the reduce-scatter;
+- `FOX_CP_HEAD_GROUPS=G`: G head groups (default 1);
+- `FOX_CP_PRUNE=0`: the all-gather even under pruning.
 """
 import os
 import weakref
@@ -614,6 +628,10 @@ def context_parallel_attention(
     every rank the gradients of its own part of q, k, v and log_fgate (the gradients of the keys,
     values and gates that other ranks attended to are summed across ranks). Every rank must run
     the backward through its output: the gradients are summed with collectives.
+
+    adaptive_threshold (the same on every rank) prunes as the op does, and across ranks too: a
+    rank is not sent the parts of the sequence whose gate bias to every one of its queries, in
+    every head, lies below it (log_fgate <= 0, as a log forget gate is).
     """
     who = "context_parallel_attention"
     _require_initialized(who)
