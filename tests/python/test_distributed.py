@@ -122,14 +122,15 @@ def test_head_groups_match_single_process(tmp_path, groups, ranks, lengths, layo
                                           kv_heads):
     """FOX_CP_HEAD_GROUPS: attention run head group after head group (each group's gather and
     gradient reduction in flight during another group's work): the same result as one process
-    (float64, to rounding)."""
-    results = run_ranks(tmp_path, lengths, ranks=ranks, layout=layout, heads=heads,
-                        kv_heads=kv_heads, env_extra={"FOX_CP_HEAD_GROUPS": groups})
+    (float64 to rounding, bf16 by the 2x rule)."""
+    results = run_ranks(tmp_path, lengths, ("float64", "bfloat16"), ranks=ranks, layout=layout,
+                        heads=heads, kv_heads=kv_heads, env_extra={"FOX_CP_HEAD_GROUPS": groups})
     out, grads = results["float64"]
     ref_out, ref_grads = single_process([sum(lengths)], torch.float64, heads=heads,
                                         kv_heads=kv_heads)
     for name, got, ref in zip(NAMES, [out] + grads, [ref_out] + ref_grads):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10, msg=name)
+    check_bfloat16([sum(lengths)], *results["bfloat16"], heads=heads, kv_heads=kv_heads)
 
 
 @pytest.mark.parametrize("ranks,lengths,layout,sent", [
@@ -140,19 +141,22 @@ def test_head_groups_match_single_process(tmp_path, groups, ranks, lengths, layo
 def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
     """With adaptive_threshold, a piece whose largest bias to every query of a rank is below the
     threshold for every head is neither sent to that rank nor attended to: the result equals the
-    single-process op with the same threshold (float64, to rounding), fewer rows travel than the
-    all-gather's (P - 1) per row, and FOX_CP_PRUNE=0 (the all-gather) gives the same result."""
+    single-process op with the same threshold (float64 to rounding, bf16 by the 2x rule), fewer
+    rows travel than the all-gather's (P - 1) per row, and FOX_CP_PRUNE=0 (the all-gather) gives
+    the same result."""
     opts = dict(threshold=-15.0, gate_bias=-3.0, layout=layout)
     total = sum(lengths)
     (tmp_path / "pruned").mkdir()
     (tmp_path / "gathered").mkdir()
-    results = run_ranks(tmp_path / "pruned", lengths, ranks=ranks, **opts)
+    results = run_ranks(tmp_path / "pruned", lengths, ("float64", "bfloat16"), ranks=ranks,
+                        **opts)
     plain = run_ranks(tmp_path / "gathered", lengths, ranks=ranks,
                       env_extra={"FOX_CP_PRUNE": "0"}, **opts)
     ref_out, ref_grads = single_process([total], torch.float64, gate_bias=-3.0, threshold=-15.0)
     for got in (results["float64"], plain["float64"]):
         for name, a, b in zip(NAMES, [got[0]] + got[1], [ref_out] + ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    check_bfloat16([total], *results["bfloat16"], gate_bias=-3.0, threshold=-15.0)
     rows = results["sent_rows"]["float64"]
     assert all(len(r) == 1 and r[0] is not None for r in rows), rows  # one plan, pruning
     sent_rows = [r[0] for r in rows]
