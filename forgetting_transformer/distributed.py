@@ -387,13 +387,16 @@ class _PrunedExchange:
         owned = [sorted(ids, key=lambda i: where.pieces[i][2]) for ids in owned]  # local order
         per_rank = max(len(ids) for ids in owned)
         batch, heads = log_fgate.shape[0], log_fgate.shape[2]
-        mine = log_fgate.new_zeros((per_rank, batch, heads), dtype=torch.float64)
+        # The pieces' totals, and in the last slot the largest gate (the bound needs log f <= 0).
+        mine = log_fgate.new_zeros((per_rank + 1, batch, heads), dtype=torch.float64)
         for slot, i in enumerate(owned[rank]):
             _, _, offset, n = where.pieces[i]
             mine[slot] = log_fgate[:, offset:offset + n].double().sum(1)
+        mine[per_rank] = log_fgate.double().amax(1)
         every = mine.new_empty((world_size,) + tuple(mine.shape))
         dist.all_gather_into_tensor(every.view(-1), mine.view(-1), group=group)
         every = every.cpu()
+        positive = float(every[:, per_rank].max()) > 0
         totals = [every[where.pieces[i][1], owned[where.pieces[i][1]].index(i)]
                   for i in range(len(where.pieces))]
         self.first = []
@@ -406,7 +409,9 @@ class _PrunedExchange:
             self.first.append(first)
         needs = [sorted({j for i in owned[r] for j in range(self.first[i], i + 1)} - set(owned[r]))
                  for r in range(world_size)]
-        self.prunes = any(self.first[i] > 0 for i in range(len(where.pieces)))
+        # A positive log f (not a forget gate) voids the bound: then the all-gather, as without
+        # pruning across ranks.
+        self.prunes = not positive and any(self.first[i] > 0 for i in range(len(where.pieces)))
         self.where, self.group, self.rank, self.owned = where, group, rank, owned
         # Pieces this rank sends to each rank, and receives from each, in sequence order.
         self.send = [[j for j in needs[r] if where.pieces[j][1] == rank]

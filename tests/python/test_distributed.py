@@ -167,6 +167,37 @@ def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
     assert plain["sent_rows"]["float64"] == [[] for _ in range(ranks)]
 
 
+def test_pruning_plan_needs_forget_gates():
+    """The plan of pruning across ranks, in a process group of one: adjacent pieces are always
+    needed; with three pieces and gates that forget fast, the last one's queries skip the first;
+    one positive log f (not a forget gate: the bound no longer holds) turns the plan off."""
+    code = """
+import socket, torch, torch.distributed as dist
+from forgetting_transformer import distributed
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+g = torch.full((1, 20, 2), -3.0)
+where = distributed._layout(20, None, g.device, "zigzag", "test")
+plan = distributed._PrunedExchange(g, None, where, -15.0)
+assert not plan.prunes and plan.first == [0, 0], plan.first  # adjacent chunks: always needed
+g3 = torch.full((1, 30, 2), -3.0)
+where3 = distributed._layout(30, None, g3.device, "contiguous", "test")
+where3.pieces = [(0, 0, 0, 10), (10, 0, 10, 10), (20, 0, 20, 10)]  # three pieces on one rank
+where3.mine = [(0, 0, 10), (10, 10, 10), (20, 20, 10)]
+plan = distributed._PrunedExchange(g3, None, where3, -15.0)
+assert plan.prunes and plan.first == [0, 0, 1], plan.first  # piece 2 skips piece 0
+g3[0, 5, 1] = 0.5
+plan = distributed._PrunedExchange(g3, None, where3, -15.0)
+assert not plan.prunes
+dist.destroy_process_group()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def test_zigzag_shard_round_trip():
     x = torch.arange(2 * 23 * 3).view(2, 23, 3)
     shards = [zigzag_shard(x, r, 3) for r in range(3)]
