@@ -48,6 +48,11 @@ import torch.distributed as dist
 
 from . import _C  # noqa: F401  (registers torch.ops.fox.*)
 
+# Flat-buffer collectives under their current names (torch >= 2.14 calls the older ones
+# deprecated; same arguments).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["context_parallel_attention", "set_context_parallel", "shard_sequence", "zigzag_shard",
            "zigzag_unshard"]
 
@@ -130,8 +135,8 @@ class _PendingGather:
                 local[:, :t.shape[1]] = t
             buffer = local.new_empty((len(where.lengths),) + tuple(local.shape))
             # Flat views: gloo takes only the concatenated form of the output.
-            self.works.append(dist.all_gather_into_tensor(buffer.view(-1), local.view(-1),
-                                                          group=group, async_op=True))
+            self.works.append(_all_gather_flat(buffer.view(-1), local.view(-1), group=group,
+                                               async_op=True))
             self.buffers.append(buffer)
 
     def prefix(self, needed: int):
@@ -175,7 +180,7 @@ class _PendingReduction:
                         total[owner, :, offset:offset + n] = grad[:, start:start + n]
             if _overlap_enabled():
                 part = total.new_empty(total.shape[1:])
-                self.works.append(dist.reduce_scatter_tensor(
+                self.works.append(_reduce_scatter_flat(
                     part.view(-1), total.view(-1), group=group, async_op=True))
                 self.parts.append(part)
             else:
@@ -394,7 +399,7 @@ class _PrunedExchange:
             mine[slot] = log_fgate[:, offset:offset + n].double().sum(1)
         mine[per_rank] = log_fgate.double().amax(1)
         every = mine.new_empty((world_size,) + tuple(mine.shape))
-        dist.all_gather_into_tensor(every.view(-1), mine.view(-1), group=group)
+        _all_gather_flat(every.view(-1), mine.view(-1), group=group)
         every = every.cpu()
         positive = float(every[:, per_rank].max()) > 0
         totals = [every[where.pieces[i][1], owned[where.pieces[i][1]].index(i)]
