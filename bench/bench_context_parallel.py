@@ -75,16 +75,18 @@ def _merged(intervals):
     return out
 
 
-def communication_ms(step, device):
-    """(all, exposed) device ms of the collectives (nccl kernels) in one step, from the profiler's
-    trace: exposed is the time when a collective runs and no other kernel, copy or fill does."""
+def communication_ms(step, device, steps):
+    """(all, exposed) device ms of the collectives (nccl kernels) a step, averaged over `steps`
+    profiled steps, from the profiler's trace: exposed is the time when a collective runs and no
+    other kernel, copy or fill does."""
     if device.type != "cuda":
         return float("nan"), float("nan")
     import json
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -97,7 +99,7 @@ def communication_ms(step, device):
             span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             (comm if "nccl" in e.get("name", "").lower() else work).append(span)
     total, exposed = exposed_time(comm, work)
-    return total / 1e3, exposed / 1e3
+    return total / 1e3 / steps, exposed / 1e3 / steps
 
 
 def exposed_time(comm, work):
@@ -154,7 +156,8 @@ def measure(model, vocab, T, args, device, rank, world, switch):
         result = {}
         for name, context in variants.items():
             with context():
-                comm = communication_ms(step, device) if world > 1 else (0.0, 0.0)
+                comm = communication_ms(step, device, args.comm_steps) if world > 1 \
+                    else (0.0, 0.0)
             seconds = statistics.median(times[name])
             result[name] = (T / seconds / 1e3, seconds * 1e3, comm)
         model.zero_grad(set_to_none=True)
@@ -173,6 +176,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
+    ap.add_argument("--comm-steps", type=int, default=2, metavar="N",
+                    help="profiled steps the collective times are averaged over")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after each length, rank 0 prints the N kernels of one step that take "
                          "the most device time")
