@@ -167,15 +167,26 @@ def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
     assert plain["sent_rows"]["float64"] == [[] for _ in range(ranks)]
 
 
+def run_in_group_of_one(code):
+    """Runs `code` in a fresh Python process inside a gloo process group of one (`torch` and
+    `dist` imported); it passes by reaching its end."""
+    script = ("import socket, torch, torch.distributed as dist\n"
+              "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; "
+              "s.close()\n"
+              "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, "
+              "world_size=1)\n" + code + "\ndist.destroy_process_group()\nprint('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def test_pruning_plan_needs_forget_gates():
     """The plan of pruning across ranks, in a process group of one: adjacent pieces are always
     needed; with three pieces and gates that forget fast, the last one's queries skip the first;
     one positive log f (not a forget gate: the bound no longer holds) turns the plan off."""
     code = """
-import socket, torch, torch.distributed as dist
 from forgetting_transformer import distributed
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 g = torch.full((1, 20, 2), -3.0)
 where = distributed._layout(20, None, g.device, "zigzag", "test")
 plan = distributed._PrunedExchange(g, None, where, -15.0)
@@ -189,13 +200,8 @@ assert plan.prunes and plan.first == [0, 0, 1], plan.first  # piece 2 skips piec
 g3[0, 5, 1] = 0.5
 plan = distributed._PrunedExchange(g3, None, where3, -15.0)
 assert not plan.prunes
-dist.destroy_process_group()
-print("ok")
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    run_in_group_of_one(code)
 
 
 def test_zigzag_shard_round_trip():
@@ -220,10 +226,7 @@ def test_bad_layouts_are_clear_errors():
     chunks and a head group count that is not a number are ValueErrors that say what was
     expected."""
     code = """
-import socket, torch, torch.distributed as dist
 from forgetting_transformer.distributed import context_parallel_attention
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 from forgetting_transformer import forgetting_attention
 t, g = torch.randn(1, 5, 2, 8), torch.nn.functional.logsigmoid(torch.randn(1, 5, 2))
 try:
@@ -251,13 +254,8 @@ except ValueError as e:
     assert "FOX_CP_HEAD_GROUPS must be a whole number >= 1, got 'two'" in str(e), e
 else:
     raise AssertionError("FOX_CP_HEAD_GROUPS=two")
-dist.destroy_process_group()
-print("ok")
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    run_in_group_of_one(code)
 
 
 def test_outside_a_process_group_is_a_clear_error():
