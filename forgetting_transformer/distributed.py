@@ -165,6 +165,7 @@ class _PendingReduction:
         rank, world_size = dist.get_rank(group), len(where.lengths)
         rows, mine = max(where.lengths), where.lengths[rank]
         self.parts, self.works, self.mine = [], [], mine
+        scatter = _overlap_enabled()  # one form for every tensor of the call
         for grad in grads:
             batch, needed, inner = grad.shape[0], grad.shape[1], tuple(grad.shape[2:])
             if _in_sequence_order(where, batch, needed) and needed == world_size * rows:
@@ -178,7 +179,7 @@ class _PendingReduction:
                 for start, owner, offset, n in where.pieces:
                     if start < needed:
                         total[owner, :, offset:offset + n] = grad[:, start:start + n]
-            if _overlap_enabled():
+            if scatter:
                 part = total.new_empty(total.shape[1:])
                 self.works.append(_reduce_scatter_flat(
                     part.view(-1), total.view(-1), group=group, async_op=True))
@@ -417,6 +418,7 @@ class _PrunedExchange:
         # A positive log f (not a forget gate) voids the bound: then the all-gather, as without
         # pruning across ranks.
         self.prunes = not positive and any(self.first[i] > 0 for i in range(len(where.pieces)))
+        # owned[r]: rank r's pieces (indices into where.pieces) in local order, as where.mine
         self.where, self.group, self.rank, self.owned = where, group, rank, owned
         # Pieces this rank sends to each rank, and receives from each, in sequence order.
         self.send = [[j for j in needs[r] if where.pieces[j][1] == rank]
@@ -462,24 +464,21 @@ class _PrunedExchange:
         """The transpose of `exchange`: grads {piece: [gradient of each tensor]} summed into
         each owner's local tensors (this rank's own gradients first, then every other rank's in
         rank order)."""
-        where, n_tensors = self.where, len(local_lengths)
+        where = self.where
         sizes = [self._rows(ids) for ids in self.send]
-        received = []
-        for slot in range(n_tensors):
+        senders = [j for ids in self.send for j in ids]  # the pieces whose gradients come back
+        out = []
+        for slot, length in enumerate(local_lengths):
             like = next(g[slot] for g in grads.values())
             to = [[grads[j][slot] for j in ids] for ids in self.receive]
-            rows = self._all_to_all(to, sizes, like)
-            received.append(torch.split(rows, [where.pieces[j][3] for ids in self.send
-                                               for j in ids], 1))
-        out = []
-        for slot in range(n_tensors):
-            like = next(g[slot] for g in grads.values())
-            total = like.new_zeros((like.shape[0], local_lengths[slot]) + tuple(like.shape[2:]))
+            received = torch.split(self._all_to_all(to, sizes, like),
+                                   [where.pieces[j][3] for j in senders], 1)
+            total = like.new_zeros((like.shape[0], length) + tuple(like.shape[2:]))
             for i in self.owned[self.rank]:
                 _, _, offset, n = where.pieces[i]
                 if i in grads:
                     total[:, offset:offset + n] += grads[i][slot]
-            for j, part in zip([j for ids in self.send for j in ids], received[slot]):
+            for j, part in zip(senders, received):
                 offset, n = where.pieces[j][2], where.pieces[j][3]
                 total[:, offset:offset + n] += part
             out.append(total)
@@ -494,8 +493,7 @@ class _PrunedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, log_fgate, plan: _PrunedExchange, sm_scale, adaptive_threshold):
         pieces = plan.exchange((k, v, log_fgate))
         outs, lses = [], []
-        for start, offset, n in plan.where.mine:
-            i = _piece_index(plan.where, start)
+        for (_, offset, n), i in zip(plan.where.mine, plan.owned[plan.rank]):
             keys = [torch.cat([pieces[j][slot] for j in range(plan.first[i], i + 1)], 1)
                     for slot in range(3)]
             out, lse = torch.ops.fox.forgetting_attention_fwd(
@@ -514,8 +512,7 @@ class _PrunedAttention(torch.autograd.Function):
         pieces = plan.exchange((k, v, log_fgate))
         dq = torch.empty_like(q)
         grads = {}  # piece -> [dK, dV, dlog_fgate] of that piece, summed over this rank's queries
-        for (start, offset, n), lse in zip(plan.where.mine, lses):
-            i = _piece_index(plan.where, start)
+        for (_, offset, n), i, lse in zip(plan.where.mine, plan.owned[plan.rank], lses):
             span = list(range(plan.first[i], i + 1))
             keys = [torch.cat([pieces[j][slot] for j in span], 1) for slot in range(3)]
             dq_i, *d = torch.ops.fox.forgetting_attention_bwd(
@@ -532,10 +529,6 @@ class _PrunedAttention(torch.autograd.Function):
                     grads[j] = list(parts)
         dk, dv, dg = plan.return_to_owners(grads, [k.shape[1], v.shape[1], log_fgate.shape[1]])
         return dq, dk, dv, dg, None, None, None
-
-
-def _piece_index(where: "_SequenceLayout", start: int) -> int:
-    return next(i for i, p in enumerate(where.pieces) if p[0] == start)
 
 
 def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold,
