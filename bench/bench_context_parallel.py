@@ -9,6 +9,12 @@ it, and the part no other kernel overlaps (exposed).
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --ab FOX_CP_OVERLAP=0
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --longest   # longest that fits
     torchrun --nproc_per_node 2 bench/bench_context_parallel.py --device cpu --tiny --seqlen 64
+    torchrun --nproc_per_node 2 bench/bench_context_parallel.py --forget -0.05 --ab FOX_CP_PRUNE=0
+
+`--forget LOGF` measures pruning across ranks: every head forgets at the constant rate log f = LOGF
+per token (the forget gate projections' weights zeroed, their biases set to match) and the model
+prunes (log_pruning_tolerance -10), so a rank receives only the pieces its queries can reach
+(`--ab FOX_CP_PRUNE=0`: the all-gather of the whole prefix, side by side).
 
 `--ab VAR=VALUE` times the steps with that environment switch against the default, interleaved
 step by step in the same processes (FOX_CP_OVERLAP=0: no backward prefetch, an all-reduce in
@@ -19,6 +25,7 @@ work, so they do).
 """
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -40,7 +47,26 @@ def build(args, device):
     hidden, layers, heads, vocab = (64, 2, 4, 256) if args.tiny else (768, 12, 12, 32768)
     c = fnn.ForgettingTransformerConfig(vocab_size=vocab, hidden_size=hidden,
                                         num_hidden_layers=layers, num_heads=heads).preset("fox_pro")
-    return fnn.ForgettingTransformerForCausalLM(c).to(device), vocab
+    if args.forget is not None:
+        c.log_pruning_tolerance = -10.0
+    model = fnn.ForgettingTransformerForCausalLM(c).to(device)
+    if args.forget is not None:
+        set_forget_rate(model, args.forget)
+    return model, vocab
+
+
+def set_forget_rate(model, log_f):
+    """Every head of every layer forgets at log f = log_f per token, whatever the input: the
+    forget gate projections' weights zeroed, their biases b with logsigmoid(b) = log_f."""
+    if not log_f < 0:
+        raise SystemExit(f"--forget must be a negative log f, got {log_f}")
+    bias = log_f - math.log(-math.expm1(log_f))  # logit of f = exp(log_f)
+    gates = [(n, p) for n, p in model.named_parameters() if "fgate_proj" in n]
+    if not gates:
+        raise SystemExit("--forget: the model has no fgate_proj")
+    with torch.no_grad():
+        for name, p in gates:
+            p.fill_(bias if name.endswith("bias") else 0.0)
 
 
 def step_fn(model, ids, device):
@@ -181,6 +207,9 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after each length, rank 0 prints the N kernels of one step that take "
                          "the most device time")
+    ap.add_argument("--forget", type=float, default=None, metavar="LOGF",
+                    help="every head forgets at log f = LOGF per token and the model prunes "
+                         "(for pruning across ranks)")
     ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
                     help="also time the steps with this environment switch (side by side)")
     args = ap.parse_args()
@@ -198,8 +227,10 @@ def main():
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         precision = "bf16 autocast" if device.type == "cuda" else "float32"
+        gates = "" if args.forget is None else \
+            f", every head at log f = {args.forget}, pruning (tolerance -10)"
         print(f"# {name} x {world}; FoX (Pro) {'toy' if args.tiny else '125M-class'}, B=1, "
-              f"{precision}, fwd+bwd, zigzag layout")
+              f"{precision}, fwd+bwd, zigzag layout{gates}")
         print("| processes | T | variant | k tokens/s | MFU per GPU | step ms | peak GiB per rank "
               "| collectives ms per step (exposed) |")
         print("|---|---|---|---|---|---|---|---|", flush=True)

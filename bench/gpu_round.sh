@@ -12,8 +12,11 @@
 # model      bench_model.py (training step), for the cost of the wrapper layers
 # context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
 #            64k-256k (the same lengths and the same tokens per GPU), the overlap against
-#            FOX_CP_OVERLAP=0 side by side, then 4 head groups against 1
+#            FOX_CP_OVERLAP=0 side by side, then 2 and 4 head groups against 1
 # context_parallel_longest  (2 GPUs) the longest sequence that fits on 1 and on 2
+# context_parallel_prune  (2 GPUs) pruning across ranks: every head forgetting fast (log f =
+#            -0.05), the pruned exchange against the all-gather (FOX_CP_PRUNE=0), and one GPU at
+#            the same tokens per GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_round}
@@ -46,7 +49,15 @@ for stage in "$@"; do
       python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
         --seqlen 65536 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 | tee -a "$OUT/context_parallel.log"
       python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --seqlen 65536 131072 --ab FOX_CP_HEAD_GROUPS=2 2>&1 | tee -a "$OUT/context_parallel.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
         --seqlen 65536 131072 --ab FOX_CP_HEAD_GROUPS=4 2>&1 | tee -a "$OUT/context_parallel.log" ;;
+    context_parallel_prune)
+      python3 -m torch.distributed.run --nproc_per_node 1 bench/bench_context_parallel.py \
+        --forget -0.05 --seqlen 32768 65536 131072 2>&1 | tee -a "$OUT/context_parallel_prune.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --forget -0.05 --seqlen 65536 131072 262144 --ab FOX_CP_PRUNE=0 2>&1 \
+        | tee -a "$OUT/context_parallel_prune.log" ;;
     context_parallel_longest)
       for n in 1 2; do
         python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
