@@ -228,14 +228,29 @@ def main():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         precision = "bf16 autocast" if device.type == "cuda" else "float32"
         gates = "" if args.forget is None else \
-            f", every head at log f = {args.forget}, pruning (tolerance -10)"
+            f", every head at log f = {args.forget}, pruning (tolerance -10; MFU counts " \
+            f"unpruned attention: effective)"
         print(f"# {name} x {world}; FoX (Pro) {'toy' if args.tiny else '125M-class'}, B=1, "
               f"{precision}, fwd+bwd, zigzag layout{gates}")
         print("| processes | T | variant | k tokens/s | MFU per GPU | step ms | peak GiB per rank "
               "| collectives ms per step (exposed) |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
     lengths = args.seqlen if not args.longest else [16384 * 2**i for i in range(8)]
+    last = None  # (T, peak GiB) of the last length that fitted
     for T in lengths:
+        if world > 1 and device.type == "cuda" and last is not None:
+            # Over several ranks an out-of-memory error may strike one rank inside a collective
+            # while the others wait in it for ever: skip a length whose peak, scaled from the
+            # last one (memory grows linearly with T), would come near the GPU's memory.
+            predicted = last[1] * T / last[0]
+            capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
+            fits = torch.tensor([1 if predicted < 0.95 * capacity else 0], device=device)
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+            if fits.item() == 0:
+                if rank == 0:
+                    print(f"| {world} | {T} | | does not fit (predicted peak {predicted:.0f} of "
+                          f"{capacity:.0f} GiB) | | | | |", flush=True)
+                break
         result = measure(model, vocab, T, args, device, rank, world, args.ab)
         # Every rank must agree to stop: one that ran out of memory stops them all.
         fits = torch.tensor([0 if result is None else 1], device=device)
@@ -253,6 +268,7 @@ def main():
                           f"{peak:.2f} | {comm:.1f} ({exposed:.1f}) |", flush=True)
         if fits.item() == 0:
             break
+        last = (T, result[1])
         if args.profile and device.type == "cuda":
             print_top_kernels(step_fn(model, part_of(T, vocab, device, rank, world), device),
                               args.profile, rank)

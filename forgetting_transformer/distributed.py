@@ -223,10 +223,11 @@ def _cat(tensors, dim):
 class _GatherChain:
     """Backward prefetch across the attention calls of one forward pass. Each call links to the
     one before it (the next in backward order); when a call's backward has launched its work,
-    it starts the all-gather of the previous call's K, V and gates, which then runs during the
-    work between the two (this layer's projections, the previous layer's MLP). Only weak
-    references are kept: a call whose tensors were freed (activation checkpointing recomputes
-    them later) is not prefetched, and nothing is held alive longer than autograd holds it."""
+    it starts the exchange of the previous call's K, V and gates (the all-gather, or the pruned
+    exchange), which then runs during the work between the two (this layer's projections, the
+    previous layer's MLP). Only weak references are kept: a call whose tensors were freed
+    (activation checkpointing recomputes them later) is not prefetched, and nothing is held
+    alive longer than autograd holds it."""
 
     def __init__(self):
         self.last = None
@@ -234,26 +235,39 @@ class _GatherChain:
     def reset(self):
         self.last = None
 
-    def link(self, tensors, group, where, heads):
-        entry = _ChainEntry(tensors, group, where, heads, self.last)
+    def link(self, tensors, start):
+        """start(k, v, log_fgate) begins the call's exchange and returns what is in flight."""
+        entry = _ChainEntry(tensors, start, self.last)
         self.last = entry
         return entry
 
 
 class _ChainEntry:
-    def __init__(self, tensors, group, where, heads, previous):
+    def __init__(self, tensors, start, previous):
         self.refs = [weakref.ref(t) for t in tensors]
-        self.group, self.where, self.heads, self.previous = group, where, heads, previous
-        self.pending: Optional[List[_PendingGather]] = None
+        self.start, self.previous = start, previous
+        self.pending = None
 
     def prefetch(self):
         tensors = [r() for r in self.refs]
         if self.pending is None and all(t is not None for t in tensors):
-            self.pending = _gather_heads(*tensors, self.group, self.where, self.heads)
+            self.pending = self.start(*tensors)
 
-    def take(self) -> Optional[List[_PendingGather]]:
+    def take(self):
         pending, self.pending = self.pending, None
         return pending
+
+
+def _prefetch_previous(entry: Optional[_ChainEntry]):
+    """Called once a call's backward has launched its gradients' collectives: the next attention
+    call in backward order starts its exchange now, behind them, and it runs while the layers
+    between the two run their backward. Started before this call's kernels instead, it waited
+    for the SMs they hold and delayed the collectives queued behind it (a slower step than no
+    prefetch at all)."""
+    if entry is not None:
+        previous, entry.previous = entry.previous, None
+        if previous is not None and _overlap_enabled():
+            previous.prefetch()
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -323,14 +337,7 @@ class _GatheredAttention(torch.autograd.Function):
             reductions.append(_PendingReduction(seq_grads, group, where))
         parts = [r.wait() for r in reductions]  # per head group: dK, dV, dlog_fgate
         dk, dv, dg = (_cat([p[t] for p in parts], 2) for t in range(3))
-        # The next attention call in backward order: its gather starts now, behind this call's
-        # reduce-scatter, and runs while the layers between the two run their backward. Started
-        # before this call's kernels instead, it waited for the SMs they hold and delayed the
-        # reduce-scatter queued behind it (a slower step than no prefetch at all).
-        if entry is not None:
-            previous, entry.previous = entry.previous, None
-            if previous is not None and _overlap_enabled():
-                previous.prefetch()
+        _prefetch_previous(entry)
         return dq, dk, dv, dg, None, None, None, None, None, None
 
 
@@ -430,35 +437,23 @@ class _PrunedExchange:
     def _rows(self, ids):
         return sum(self.where.pieces[j][3] for j in ids)
 
-    def _all_to_all(self, parts_to, parts_from_sizes, like):
-        """parts_to[r]: the (B, n, ...) tensors to send rank r; returns the received rows as
-        (B, rows, ...), rank after rank. The exchange runs along dim 0: rows first."""
+    def _all_to_all(self, parts_to, parts_from_sizes, like, async_op=False):
+        """parts_to[r]: the (B, n, ...) tensors to send rank r; returns the buffer of the rows
+        received, rank after rank, as (rows, B, ...) (the exchange runs along dim 0: rows
+        first), and with async_op the collective's work too."""
         inner = tuple(like.shape[2:])
         flat = [t.movedim(1, 0) for parts in parts_to for t in parts]
         send = (torch.cat(flat, 0) if flat else like.new_empty((0, like.shape[0]) + inner))
         received = like.new_empty((sum(parts_from_sizes), like.shape[0]) + inner)
-        dist.all_to_all_single(received, send.contiguous(), parts_from_sizes,
-                               [sum(t.shape[1] for t in parts) for parts in parts_to],
-                               group=self.group)
-        return received.movedim(0, 1)
+        work = dist.all_to_all_single(received, send.contiguous(), parts_from_sizes,
+                                      [sum(t.shape[1] for t in parts) for parts in parts_to],
+                                      group=self.group, async_op=async_op)
+        return (received, work) if async_op else received
 
-    def exchange(self, tensors):
-        """{piece index: [its rows of each tensor]} for every piece this rank needs or owns."""
-        where = self.where
-        pieces = {}
-        for i in self.owned[self.rank]:
-            _, _, offset, n = where.pieces[i]
-            pieces[i] = [t[:, offset:offset + n] for t in tensors]
-        order = [j for ids in self.receive for j in ids]
-        sizes = [self._rows(ids) for ids in self.receive]
-        for slot, t in enumerate(tensors):
-            to = [[t[:, where.pieces[j][2]:where.pieces[j][2] + where.pieces[j][3]] for j in ids]
-                  for ids in self.send]
-            rows = torch.split(self._all_to_all(to, sizes, t),
-                               [where.pieces[j][3] for j in order], 1)
-            for j, part in zip(order, rows):
-                pieces.setdefault(j, [None] * len(tensors))[slot] = part
-        return pieces
+    def exchange(self, tensors) -> "_PendingExchange":
+        """Starts sending every rank the pieces of `tensors` (this rank's K, V, gates) it needs;
+        `pieces()` of the result waits for them."""
+        return _PendingExchange(self, tensors)
 
     def return_to_owners(self, grads, local_lengths):
         """The transpose of `exchange`: grads {piece: [gradient of each tensor]} summed into
@@ -471,7 +466,7 @@ class _PrunedExchange:
         for slot, length in enumerate(local_lengths):
             like = next(g[slot] for g in grads.values())
             to = [[grads[j][slot] for j in ids] for ids in self.receive]
-            received = torch.split(self._all_to_all(to, sizes, like),
+            received = torch.split(self._all_to_all(to, sizes, like).movedim(0, 1),
                                    [where.pieces[j][3] for j in senders], 1)
             total = like.new_zeros((like.shape[0], length) + tuple(like.shape[2:]))
             for i in self.owned[self.rank]:
@@ -485,13 +480,46 @@ class _PrunedExchange:
         return out
 
 
+class _PendingExchange:
+    """_PrunedExchange's exchange of K, V and the gates, in flight: one all_to_all per tensor,
+    started at construction."""
+
+    def __init__(self, plan: _PrunedExchange, tensors):
+        where = plan.where
+        self.plan, self.tensors = plan, tensors
+        self.order = [j for ids in plan.receive for j in ids]
+        sizes = [plan._rows(ids) for ids in plan.receive]
+        self.flights = []
+        for t in tensors:
+            to = [[t[:, where.pieces[j][2]:where.pieces[j][2] + where.pieces[j][3]] for j in ids]
+                  for ids in plan.send]
+            self.flights.append(plan._all_to_all(to, sizes, t, async_op=True))
+
+    def pieces(self):
+        """{piece index: [its rows of each tensor]} for every piece this rank needs or owns."""
+        plan, where = self.plan, self.plan.where
+        pieces = {}
+        for i in plan.owned[plan.rank]:
+            _, _, offset, n = where.pieces[i]
+            pieces[i] = [t[:, offset:offset + n] for t in self.tensors]
+        for slot, (received, work) in enumerate(self.flights):
+            work.wait()
+            rows = torch.split(received.movedim(0, 1), [where.pieces[j][3] for j in self.order],
+                               1)
+            for j, part in zip(self.order, rows):
+                pieces.setdefault(j, [None] * len(self.tensors))[slot] = part
+        self.flights = self.tensors = None
+        return pieces
+
+
 class _PrunedAttention(torch.autograd.Function):
     """_GatheredAttention under pruning across ranks: each query piece attends from the first
     piece its plan needs, and only the pieces some rank needs are exchanged."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, plan: _PrunedExchange, sm_scale, adaptive_threshold):
-        pieces = plan.exchange((k, v, log_fgate))
+    def forward(ctx, q, k, v, log_fgate, plan: _PrunedExchange, sm_scale, adaptive_threshold,
+                entry):
+        pieces = plan.exchange((k, v, log_fgate)).pieces()
         outs, lses = [], []
         for (_, offset, n), i in zip(plan.where.mine, plan.owned[plan.rank]):
             keys = [torch.cat([pieces[j][slot] for j in range(plan.first[i], i + 1)], 1)
@@ -503,13 +531,15 @@ class _PrunedAttention(torch.autograd.Function):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
         ctx.plan, ctx.sm_scale, ctx.adaptive_threshold = plan, sm_scale, adaptive_threshold
+        ctx.entry = entry
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, log_fgate, out, *lses = ctx.saved_tensors
-        plan = ctx.plan
-        pieces = plan.exchange((k, v, log_fgate))
+        plan, entry = ctx.plan, ctx.entry
+        pending = entry.take() if entry is not None else None
+        pieces = (pending or plan.exchange((k, v, log_fgate))).pieces()
         dq = torch.empty_like(q)
         grads = {}  # piece -> [dK, dV, dlog_fgate] of that piece, summed over this rank's queries
         for (_, offset, n), i, lse in zip(plan.where.mine, plan.owned[plan.rank], lses):
@@ -528,7 +558,8 @@ class _PrunedAttention(torch.autograd.Function):
                 else:
                     grads[j] = list(parts)
         dk, dv, dg = plan.return_to_owners(grads, [k.shape[1], v.shape[1], log_fgate.shape[1]])
-        return dq, dk, dv, dg, None, None, None
+        _prefetch_previous(entry)
+        return dq, dk, dv, dg, None, None, None, None
 
 
 def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptive_threshold,
@@ -542,17 +573,21 @@ def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptiv
                    for t in (q, k, v))
         if log_fgate.dtype != torch.float64:
             log_fgate = log_fgate.float()
+    linked = chain is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, log_fgate))
     if adaptive_threshold is not None and _prune_across_ranks():
         plan = _PrunedExchange(log_fgate.detach(), group, where, adaptive_threshold)
         if plan.prunes:
+            entry = chain.link((k, v, log_fgate), lambda *kvg: plan.exchange(kvg)) if linked \
+                else None
             with torch.autocast(q.device.type, enabled=False):
                 return _PrunedAttention.apply(q, k, v, log_fgate, plan, sm_scale,
-                                              adaptive_threshold)
+                                              adaptive_threshold, entry)
     heads = _head_groups(q.shape[2], k.shape[2])
     entry = None
-    if chain is not None and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, log_fgate)):
-        entry = chain.link((k, v, log_fgate), group, where, heads)
+    if linked:
+        entry = chain.link((k, v, log_fgate),
+                           lambda *kvg: _gather_heads(*kvg, group, where, heads))
     with torch.autocast(q.device.type, enabled=False):
         return _GatheredAttention.apply(q, k, v, log_fgate, group, where, sm_scale,
                                         adaptive_threshold, heads, entry)

@@ -2,7 +2,8 @@
 the same small model and token sequence on every rank from a shared seed, runs the model
 context-parallel (set_context_parallel) on its part of the sequence, weighs its per-token losses
 by a shared random weight, and saves its part of the loss, its share of every parameter gradient
-and the number of backward prefetches it started to OUT_DIR/rank<r>.pt."""
+the number of backward prefetches it started and of attention calls that took the pruned exchange
+to OUT_DIR/rank<r>.pt."""
 import argparse
 import os
 
@@ -66,6 +67,14 @@ def main():
         plain_prefetch(entry)
         prefetches.extend([1] if idle and entry.pending is not None else [])
     distributed._ChainEntry.prefetch = counted_prefetch
+    # Count the attention calls that took the pruned exchange (pruning across ranks).
+    pruned = []
+    plain_plan = distributed._PrunedExchange.__init__
+
+    def counted_plan(plan, *args):
+        plain_plan(plan, *args)
+        pruned.extend([1] if plan.prunes else [])
+    distributed._PrunedExchange.__init__ = counted_plan
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args.arch, torch.float64, args.kv_heads, args.pruning,
@@ -81,7 +90,7 @@ def main():
         part = lambda t: t[:, start:start + n]  # noqa: E731
     loss = model(part(ids), labels=part(labels))
     (loss * part(weights)).sum().backward()
-    torch.save({"loss": loss.detach(), "prefetches": len(prefetches),
+    torch.save({"loss": loss.detach(), "prefetches": len(prefetches), "pruned": len(pruned),
                 "grads": {name: p.grad for name, p in model.named_parameters()}},
                os.path.join(args.out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -297,6 +297,7 @@ def run_model_ranks(tmp_path, ranks, lengths, **opts):
     ("fox_pro", 3, [36], "zigzag", {"overlap": 0}),
     ("fox_llama", 2, [30, 26], "contiguous", {"head_groups": 2}),
     ("fox_pro", 3, [60], "zigzag", {"pruning": -10.0, "gate_bias": -4.0}),  # across ranks
+    ("fox_pro", 3, [60], "zigzag", {"pruning": -10.0, "gate_bias": -4.0, "overlap": 0}),
 ])
 def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, extra):
     """Every preset run context-parallel (its KV-shift across ranks, RoPE at global positions,
@@ -318,11 +319,11 @@ def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, ex
     for name, p in model.named_parameters():
         got = sum(part["grads"][name] for part in parts)
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12, msg=name)
-    # Fast gates under pruning take the pruned exchange, which has no prefetch: none counted
-    # there shows that it ran.
-    prefetching = extra.get("overlap", 1) and not extra.get("checkpointing") and \
-        "gate_bias" not in extra
+    prefetching = extra.get("overlap", 1) and not extra.get("checkpointing")
     assert [p["prefetches"] for p in parts] == [1 if prefetching else 0] * ranks
+    # Fast gates under pruning take the pruned exchange in both layers (prefetched as well).
+    pruned_calls = 2 if "gate_bias" in extra else 0
+    assert [p["pruned"] for p in parts] == [pruned_calls] * ranks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
