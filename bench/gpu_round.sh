@@ -15,8 +15,8 @@
 #            FOX_CP_OVERLAP=0 side by side, then 2 and 4 head groups against 1
 # context_parallel_longest  (2 GPUs) the longest sequence that fits on 1 and on 2
 # context_parallel_prune  (2 GPUs) pruning across ranks: every head forgetting fast (log f =
-#            -0.05), the pruned exchange against the all-gather (FOX_CP_PRUNE=0), and one GPU at
-#            the same tokens per GPU
+#            -0.05): one GPU at the same tokens per GPU, the pruned exchange against the
+#            all-gather (FOX_CP_PRUNE=0) and against itself without the prefetch (FOX_CP_OVERLAP=0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_round}
@@ -57,6 +57,9 @@ for stage in "$@"; do
         --forget -0.05 --seqlen 32768 65536 131072 2>&1 | tee -a "$OUT/context_parallel_prune.log"
       python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
         --forget -0.05 --seqlen 65536 131072 262144 --ab FOX_CP_PRUNE=0 2>&1 \
+        | tee -a "$OUT/context_parallel_prune.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --forget -0.05 --seqlen 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 \
         | tee -a "$OUT/context_parallel_prune.log" ;;
     context_parallel_longest)
       for n in 1 2; do
