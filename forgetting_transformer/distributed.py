@@ -25,14 +25,15 @@ Communication and compute overlap:
 - backward: each layer's gather starts one attention call ahead (`_GatherChain`), and the
   gradients go back to their owners by reduce-scatter;
 - both passes, opt-in (`FOX_CP_HEAD_GROUPS`): attention runs head group after head group, so
-  that one group's gather or reduce-scatter is in flight while another group computes.
-Otherwise the forward gather is exposed: a layer's attention needs it at once. (A ring would hide
-it without head groups. It needs the op to take a block of queries against an earlier block of
-keys, with the gate sum between them as an offset; see bench/NOTES.md.)
+  that one group's gather or reduce-scatter is in flight while another group computes. Measured
+  slower on 2 GPUs (+3..+20% a step): a collective beside the attention kernels slows both.
+Otherwise the forward gather is exposed: a layer's attention needs it at once (0.8-2.9% of a step
+at 64k-256k on 2 GPUs). (A ring would hide it. It needs the op to take a block of queries against
+an earlier block of keys, with the gate sum between them as an offset; see bench/NOTES.md.)
 
 Pruning across ranks (`_PrunedExchange`): with `adaptive_threshold`, a rank receives only the
 pieces whose gate bias to its queries can reach the threshold, by all_to_all in place of the
-all-gather.
+all-gather (prefetched for the backward the same way).
 
 Switches, read at each call so that one process can time both sides:
 - `FOX_CP_OVERLAP=0`: no backward prefetch, and an all-reduce in place of the reduce-scatter;
