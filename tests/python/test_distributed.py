@@ -298,6 +298,7 @@ def run_model_ranks(tmp_path, ranks, lengths, **opts):
     ("fox_llama", 2, [30, 26], "contiguous", {"head_groups": 2}),
     ("fox_pro", 3, [60], "zigzag", {"pruning": -10.0, "gate_bias": -4.0}),  # across ranks
     ("fox_pro", 3, [60], "zigzag", {"pruning": -10.0, "gate_bias": -4.0, "overlap": 0}),
+    ("fox_pro", 2, [44], "zigzag", {"pruning": -10.0, "gate_bias": -4.0, "checkpointing": 1}),
 ])
 def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, extra):
     """Every preset run context-parallel (its KV-shift across ranks, RoPE at global positions,
@@ -321,8 +322,9 @@ def test_model_matches_single_process(tmp_path, arch, ranks, lengths, layout, ex
         torch.testing.assert_close(got, p.grad, rtol=1e-9, atol=1e-12, msg=name)
     prefetching = extra.get("overlap", 1) and not extra.get("checkpointing")
     assert [p["prefetches"] for p in parts] == [1 if prefetching else 0] * ranks
-    # Fast gates under pruning take the pruned exchange in both layers (prefetched as well).
-    pruned_calls = 2 if "gate_bias" in extra else 0
+    # Fast gates under pruning take the pruned exchange in both layers (prefetched as well;
+    # under checkpointing a layer's recompute plans again).
+    pruned_calls = (4 if extra.get("checkpointing") else 2) if "gate_bias" in extra else 0
     assert [p["pruned"] for p in parts] == [pruned_calls] * ranks
 
 
