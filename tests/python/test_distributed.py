@@ -397,9 +397,12 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
-def test_context_parallel_benchmark_runs():
+@pytest.mark.parametrize("extra,switch", [([], "FOX_CP_OVERLAP=0"),
+                                          (["--forget", "-0.05"], "FOX_CP_PRUNE=0")])
+def test_context_parallel_benchmark_runs(extra, switch):
     """bench/bench_context_parallel.py on 2 CPU processes with its toy model (a smoke test of the
-    script that measures the model under context parallelism on GPUs)."""
+    script that measures the model under context parallelism on GPUs), also in its pruning mode
+    (every head forgetting fast)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -409,11 +412,29 @@ def test_context_parallel_benchmark_runs():
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
                         "--device", "cpu", "--tiny", "--seqlen", "64", "--reps", "1",
-                        "--ab", "FOX_CP_OVERLAP=0"],
+                        "--ab", switch, *extra],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "| 2 | 64 | default |" in r.stdout and "| 2 | 64 | FOX_CP_OVERLAP=0 |" in r.stdout, \
-        r.stdout
+    assert "| 2 | 64 | default |" in r.stdout and f"| 2 | 64 | {switch} |" in r.stdout, r.stdout
+    assert ("every head at log f = -0.05" in r.stdout) == bool(extra), r.stdout
+
+
+def test_benchmark_forget_rate():
+    """The benchmark's --forget sets every forget gate to the constant log f asked for: the gate
+    projections' weights zero, logsigmoid(bias) = log f."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    from bench_context_parallel import set_forget_rate
+    from context_parallel_model_worker import build
+    model = build("fox_pro", torch.float64)
+    set_forget_rate(model, -0.05)
+    gates = {n: p for n, p in model.named_parameters() if "fgate_proj" in n}
+    assert gates
+    for name, p in gates.items():
+        if name.endswith("bias"):
+            torch.testing.assert_close(torch.nn.functional.logsigmoid(p),
+                                       torch.full_like(p, -0.05), rtol=1e-12, atol=1e-12)
+        else:
+            assert not p.any(), name
 
 
 def test_exposed_communication_time():
