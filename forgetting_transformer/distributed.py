@@ -438,18 +438,23 @@ class _PrunedExchange:
     def _rows(self, ids):
         return sum(self.where.pieces[j][3] for j in ids)
 
-    def _all_to_all(self, parts_to, parts_from_sizes, like, async_op=False):
-        """parts_to[r]: the (B, n, ...) tensors to send rank r; returns the buffer of the rows
-        received, rank after rank, as (rows, B, ...) (the exchange runs along dim 0: rows
-        first), and with async_op the collective's work too."""
+    def _local(self, t, j):
+        """Piece j's rows of its owner's local tensor t (B, T_r, ...)."""
+        _, _, offset, n = self.where.pieces[j]
+        return t[:, offset:offset + n]
+
+    def _all_to_all(self, parts_to, parts_from_sizes, like):
+        """Starts sending parts_to[r], the (B, n, ...) tensors for rank r; returns the work and
+        the buffer of the rows received, rank after rank, as (rows, B, ...) (the exchange runs
+        along dim 0: rows first)."""
         inner = tuple(like.shape[2:])
         flat = [t.movedim(1, 0) for parts in parts_to for t in parts]
         send = (torch.cat(flat, 0) if flat else like.new_empty((0, like.shape[0]) + inner))
         received = like.new_empty((sum(parts_from_sizes), like.shape[0]) + inner)
         work = dist.all_to_all_single(received, send.contiguous(), parts_from_sizes,
                                       [sum(t.shape[1] for t in parts) for parts in parts_to],
-                                      group=self.group, async_op=async_op)
-        return (received, work) if async_op else received
+                                      group=self.group, async_op=True)
+        return work, received
 
     def exchange(self, tensors) -> "_PendingExchange":
         """Starts sending every rank the pieces of `tensors` (this rank's K, V, gates) it needs;
@@ -467,16 +472,16 @@ class _PrunedExchange:
         for slot, length in enumerate(local_lengths):
             like = next(g[slot] for g in grads.values())
             to = [[grads[j][slot] for j in ids] for ids in self.receive]
-            received = torch.split(self._all_to_all(to, sizes, like).movedim(0, 1),
-                                   [where.pieces[j][3] for j in senders], 1)
+            work, received = self._all_to_all(to, sizes, like)
             total = like.new_zeros((like.shape[0], length) + tuple(like.shape[2:]))
             for i in self.owned[self.rank]:
-                _, _, offset, n = where.pieces[i]
                 if i in grads:
-                    total[:, offset:offset + n] += grads[i][slot]
+                    self._local(total, i).add_(grads[i][slot])
+            work.wait()
+            received = torch.split(received.movedim(0, 1), [where.pieces[j][3] for j in senders],
+                                   1)
             for j, part in zip(senders, received):
-                offset, n = where.pieces[j][2], where.pieces[j][3]
-                total[:, offset:offset + n] += part
+                self._local(total, j).add_(part)
             out.append(total)
         return out
 
@@ -486,24 +491,18 @@ class _PendingExchange:
     started at construction."""
 
     def __init__(self, plan: _PrunedExchange, tensors):
-        where = plan.where
         self.plan, self.tensors = plan, tensors
         self.order = [j for ids in plan.receive for j in ids]
         sizes = [plan._rows(ids) for ids in plan.receive]
-        self.flights = []
-        for t in tensors:
-            to = [[t[:, where.pieces[j][2]:where.pieces[j][2] + where.pieces[j][3]] for j in ids]
-                  for ids in plan.send]
-            self.flights.append(plan._all_to_all(to, sizes, t, async_op=True))
+        self.flights = [plan._all_to_all([[plan._local(t, j) for j in ids] for ids in plan.send],
+                                         sizes, t)
+                        for t in tensors]
 
     def pieces(self):
         """{piece index: [its rows of each tensor]} for every piece this rank needs or owns."""
         plan, where = self.plan, self.plan.where
-        pieces = {}
-        for i in plan.owned[plan.rank]:
-            _, _, offset, n = where.pieces[i]
-            pieces[i] = [t[:, offset:offset + n] for t in self.tensors]
-        for slot, (received, work) in enumerate(self.flights):
+        pieces = {i: [plan._local(t, i) for t in self.tensors] for i in plan.owned[plan.rank]}
+        for slot, (work, received) in enumerate(self.flights):
             work.wait()
             rows = torch.split(received.movedim(0, 1), [where.pieces[j][3] for j in self.order],
                                1)
@@ -540,7 +539,9 @@ class _PrunedAttention(torch.autograd.Function):
         q, k, v, log_fgate, out, *lses = ctx.saved_tensors
         plan, entry = ctx.plan, ctx.entry
         pending = entry.take() if entry is not None else None
-        pieces = (pending or plan.exchange((k, v, log_fgate))).pieces()
+        if pending is None:
+            pending = plan.exchange((k, v, log_fgate))
+        pieces = pending.pieces()
         dq = torch.empty_like(q)
         grads = {}  # piece -> [dK, dV, dlog_fgate] of that piece, summed over this rank's queries
         for (_, offset, n), i, lse in zip(plan.where.mine, plan.owned[plan.rank], lses):
