@@ -30,6 +30,15 @@ def reference_rows(q, k, v, g, *, seq_start=None, cache_seqlens=None, dtype=torc
     return torch.cat(outs)
 
 
+@pytest.fixture(params=["single", "paired"])
+def blocks(request, monkeypatch):
+    """Both block forms of the decoding kernel (FOX_DECODE_PAIRED, read at each call): paired
+    blocks, two groups of warps each taking half of a chunk, are planned where a grid has at most
+    one block an SM."""
+    monkeypatch.setenv("FOX_DECODE_PAIRED", "1" if request.param == "paired" else "0")
+    return request.param
+
+
 def check_forward(q, k, v, g, *, seq_start=None, cache_seqlens=None):
     extra = () if cache_seqlens is None else (None, None, None, cache_seqlens)
     out, lse = fwd(q, k, v, g, seq_start, *extra)
@@ -46,12 +55,23 @@ def check_forward(q, k, v, g, *, seq_start=None, cache_seqlens=None):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (8, 2), (32, 1), (6, 2)])
 @pytest.mark.parametrize("Tq", [1, 3, 16])
-def test_packed_heads(dtype, D, H, Hkv, Tq):
+def test_packed_heads(blocks, dtype, D, H, Hkv, Tq):
     # 32 query heads of one KV head (MQA) with 16 queries: 512 packed rows in 32 row tiles.
     for Tk in (Tq, 100, 3000):
         q, k, v, g = make_inputs(2, Tq, Tk, H, Hkv, D, dtype=dtype, device="cuda",
                                  regime="mixed")
         check_forward(q, k, v, g)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_default_plan_of_a_short_mha_cache(D):
+    # B=8 x 12 heads: 96 unsplit blocks, between half of an H100's SMs and all of them, so the
+    # planner pairs them (each group of warps a half of the cache, merged in the block).
+    q, k, v, g = make_inputs(8, 1, 2048, 12, 12, D, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    check_forward(q, k, v, g)
+    check_forward(q, k, v, g, cache_seqlens=torch.tensor([2048, 1, 63, 64, 65, 1000, 1500, 129],
+                                                         device="cuda"))
 
 
 @pytest.mark.parametrize("regime", ["zero", "tiny", "normal", "strong", "mixed"])
@@ -61,7 +81,7 @@ def test_gate_regimes(regime):
     check_forward(q, k, v, g)
 
 
-def test_many_chunks_long_cache():
+def test_many_chunks_long_cache(blocks):
     # One sequence, one KV head: the planner cuts 200k keys into as many chunks as it allows; the
     # bias of nearby keys must survive the carry over all of them (mixed: fast-forgetting heads).
     q, k, v, g = make_inputs(1, 2, 200_000, 8, 1, 64, dtype=torch.bfloat16, device="cuda",
@@ -70,7 +90,7 @@ def test_many_chunks_long_cache():
 
 
 @pytest.mark.parametrize("Tq", [1, 4, 16])
-def test_cache_seqlens_and_seq_start(Tq):
+def test_cache_seqlens_and_seq_start(blocks, Tq):
     B, Tk = 6, 5000
     q, k, v, g = make_inputs(B, Tq, Tk, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
                              regime="mixed")
@@ -145,7 +165,7 @@ def test_strided_inputs_and_head_first():
 @pytest.mark.parametrize("H,Hkv", [(32, 4), (12, 4), (16, 1), (5, 5)])
 @pytest.mark.parametrize("layout", ["heads_fastest", "wide_rows", "head_first"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gate_layouts(H, Hkv, layout, D, gate_dtype):
+def test_gate_layouts(blocks, H, Hkv, layout, D, gate_dtype):
     # The gate loader's walks: heads fastest (groups of 8, 3 and 16 heads, so slots wrap to the
     # next key at different steps; one head: keys fastest), rows wider than the heads, head-first;
     # float32 gates by cp.async, float16 ones through registers. B=1 with few KV heads and a long
@@ -188,14 +208,14 @@ def test_float16_gates_are_the_float32_gates_they_hold(Tq):
     assert torch.equal(gg.grad, g32.grad.half())
 
 
-def test_deterministic():
+def test_deterministic(blocks):
     q, k, v, g = make_inputs(1, 1, 50_000, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     a = fwd(q, k, v, g)
     b = fwd(q, k, v, g)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_cuda_graph_replay_with_new_lengths():
+def test_cuda_graph_replay_with_new_lengths(blocks):
     # A captured decode step reads cache_seqlens from device memory: a replay after the lengths
     # changed in place equals an eager call with the new lengths, bit for bit.
     B, Tk, H, Hkv, D = 4, 8192, 16, 4, 128
@@ -218,7 +238,7 @@ def test_cuda_graph_replay_with_new_lengths():
 
 @pytest.mark.parametrize("splits", [2, 3, 8, 16, 17])
 @pytest.mark.parametrize("H,Hkv,Tq,D", [(8, 8, 1, 128), (32, 4, 1, 64), (8, 2, 16, 128)])
-def test_forced_splits_with_empty_chunks(monkeypatch, splits, H, Hkv, Tq, D):
+def test_forced_splits_with_empty_chunks(monkeypatch, blocks, splits, H, Hkv, Tq, D):
     # The cache cut into a given number of chunks (FOX_DECODE_SPLITS, read at each call), with
     # rows too short to give every chunk a key: the empty chunks must weigh nothing in the merge.
     monkeypatch.setenv("FOX_DECODE_SPLITS", str(splits))

@@ -83,31 +83,40 @@ bool decode_kernel_enabled() {
   return enabled;
 }
 
-// Chunks of the decoding kernel per row. Blocks run in waves of (resident blocks per SM x SMs); a
-// last wave that is mostly empty costs as much as a full one. So, as FlashAttention's split
-// heuristic does, take the fewest chunks whose wave efficiency (blocks / (waves x wave size)) is
-// within 85% of the best. Candidates are whole numbers of key tiles per chunk, so the chunks of the
-// longest row are equal (no empty blocks); a small cache that cannot fill the GPU gets one tile per
-// chunk, every tile's load in flight at once (latency, not bandwidth, bounds it). A function of the
-// shapes and the device only (never of the lengths in device memory), so a captured CUDA graph
-// replays the same plan. FOX_DECODE_SPLITS overrides it (tuning).
-int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
+// FOX_DECODE_PAIRED=0 keeps the decoding kernel on single blocks, =1 pairs them wherever the grid
+// has at most one block an SM (A/B runs, tests); read per call, as FOX_DECODE_SPLITS.
+int decode_paired_override() {
+  const char* v = std::getenv("FOX_DECODE_PAIRED");
+  return v == nullptr || *v == '\0' ? -1 : std::atoi(v);
+}
+
+// The decoding kernel's plan: chunks per row and block form. A function of the shapes and the
+// device only (never of the lengths in device memory), so a captured CUDA graph replays the same
+// plan.
+//
+// Paired blocks where the unsplit grid gives between half of the SMs and all of them one block:
+// single blocks would need a split to put two groups of warps on an SM, and the split's partial
+// results, combine and second wave cost more than they bring (B=8, 12/12 heads, D=128, 2k keys:
+// 55.6 us single and split, 50.7 us paired and unsplit; H100). Where fewer blocks face the cache,
+// a split gives two single blocks an SM anyway, and pairing measured the same (within 3%).
+//
+// Otherwise single blocks run in waves of (resident blocks per SM x SMs); a last wave that is
+// mostly empty costs as much as a full one. So, as FlashAttention's split heuristic does, take the
+// fewest chunks whose wave efficiency (blocks / (waves x wave size)) is within 85% of the best.
+// Candidates are whole numbers of key tiles per chunk, so the chunks of the longest row are equal
+// (no empty blocks); a small cache that cannot fill the GPU gets one tile per chunk, every tile's
+// load in flight at once (latency, not bandwidth, bounds it). FOX_DECODE_SPLITS overrides the
+// chunks (tuning, tests).
+DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm) {
   const char* override_env = std::getenv("FOX_DECODE_SPLITS");  // read per call: tests set it
   const int override_splits = override_env ? std::atoi(override_env) : 0;
+  const int paired_override = decode_paired_override();
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
   const int64_t keys_per_tile = decode_keys_per_tile(static_cast<int>(p.head_dim));
   const int64_t key_tiles = std::max<int64_t>(1, (p.seqlen_k + keys_per_tile - 1) / keys_per_tile);
-  const int64_t wave = static_cast<int64_t>(blocks_per_sm) *
-                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, key_tiles);
-  if (override_splits > 0) return static_cast<int>(std::min<int64_t>(override_splits, max_splits));
-  // A short cache whose unsplit blocks already give most SMs one: splitting doubles the blocks per
-  // SM but adds the partial results and the combine, which cost more than they bring there (B=8,
-  // 16 heads, D=64, 2k keys: 37 us unsplit against 41 us in 2 chunks). Longer caches keep the
-  // plan below: their time is bandwidth, which a second block per SM raises.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (p.seqlen_k <= 2048 && 5 * base >= 4 * sms) return 1;
+  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, key_tiles);
   // s chunks of ceil(key_tiles / s) tiles: ceil(key_tiles / that) of them are non-empty. Over
   // s = 1..max_splits this gives every equal-chunk split (at most max_splits candidates, not one
   // per key tile: the plan runs on every eager decoding step).
@@ -115,6 +124,24 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
     const int64_t tiles_per_chunk = (key_tiles + s - 1) / s;
     return (key_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
   };
+  DecodePlan plan;
+  plan.paired = paired_override == 1 ? base <= sms
+                                     : paired_override != 0 && 2 * base >= sms && base <= sms;
+  if (override_splits > 0) {
+    plan.num_splits = static_cast<int>(std::min<int64_t>(override_splits, max_splits));
+    return plan;
+  }
+  if (plan.paired) {  // one wave of at most SMs paired blocks
+    for (int64_t s = 1; s <= max_splits; ++s)
+      if (base * equal_chunks(s) <= sms) plan.num_splits = static_cast<int>(equal_chunks(s));
+    return plan;
+  }
+  // A short cache whose unsplit blocks already give most SMs one: splitting doubles the blocks per
+  // SM but adds the partial results and the combine, which cost more than they bring there (B=8,
+  // 16 heads, D=64, 2k keys: 37 us unsplit against 41 us in 2 chunks). Longer caches keep the
+  // plan below: their time is bandwidth, which a second block per SM raises.
+  if (p.seqlen_k <= 2048 && 5 * base >= 4 * sms) return plan;
+  const int64_t wave = static_cast<int64_t>(blocks_per_sm) * sms;
   auto efficiency = [&](int64_t splits) {
     const int64_t blocks = base * splits, waves = (blocks + wave - 1) / wave;
     return static_cast<double>(blocks) / static_cast<double>(waves * wave);
@@ -122,8 +149,11 @@ int plan_decode_splits(const ForwardParams& p, int blocks_per_sm) {
   double best = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(equal_chunks(s)));
   for (int64_t s = 1; s <= max_splits; ++s)
-    if (efficiency(equal_chunks(s)) >= 0.85 * best) return static_cast<int>(equal_chunks(s));
-  return 1;
+    if (efficiency(equal_chunks(s)) >= 0.85 * best) {
+      plan.num_splits = static_cast<int>(equal_chunks(s));
+      return plan;
+    }
+  return plan;
 }
 
 // The decoding kernel copies float16 gates two adjacent heads at a time (cp.async moves 4 bytes at
@@ -212,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          const int splits = plan_decode_splits(p, decode_blocks_per_sm<T, kHeadDim>(half_gates));
+          const DecodePlan plan = plan_decode(p, decode_blocks_per_sm<T, kHeadDim>(half_gates));
+          const int64_t splits = plan.num_splits;
           at::Tensor out_partial, lse_partial, gate_total;
           if (splits > 1) {
             const int64_t rows = p.batch * p.seqlen_q;
@@ -221,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
             gate_total = at::empty({splits, p.batch, p.num_heads}, f32);
           }
           auto ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-          run_decode_forward<T, kHeadDim>(p, half_gates, splits, ptr(out_partial), ptr(lse_partial),
+          run_decode_forward<T, kHeadDim>(p, half_gates, plan, ptr(out_partial), ptr(lse_partial),
                                           ptr(gate_total), stream);
         });
       }

@@ -12,6 +12,14 @@
 // group's heads); each of the 4 warps takes 16 keys of a tile and keeps its own online softmax,
 // and the warps are merged at the end.
 //
+// Paired blocks (kGroups = 2): two such groups of 4 warps in one block, each with its own ring and
+// shared memory, the upper and the lower half of the chunk's tiles, merged in the block. A block
+// walks its tiles one after another, ~1 us a tile whatever the bytes in flight (the gate scan, two
+// barriers, the softmax), so a grid of at most one block an SM leaves each SM one tile at a time;
+// two groups double that without a second block per SM and without the split's partial results.
+// The lower half's gate bias misses the upper half's gate sum, a constant per head: the merge adds
+// it to the lower group's row maxima (the carry of the split-KV combine, inside the block).
+//
 // The gate bias. Every chunk walks its keys downwards from its own top position `top`, summing log
 // f inside each tile and carrying whole-tile sums: R_j = sum_{l=j+1..top} log f_l (error grows with
 // the distance from top, never with the absolute position). The bias of query i (position P_i)
@@ -118,11 +126,11 @@ __device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int nu
 
 template <typename T, int kHeadDim, int kKeys = kKeysOf<kHeadDim>>
 __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* v, int64_t k_row,
-                                             int64_t v_row, int64_t j0, int64_t len) {
+                                             int64_t v_row, int64_t j0, int64_t len, int tid) {
   constexpr int kChunks = kHeadDim / 8;
 #pragma unroll
   for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
+    const int idx = tid + i * kThreads;
     const int row = idx / kChunks, chunk = idx % kChunks;
     const bool valid = j0 + row < len;
     const int64_t j = valid ? j0 + row : 0;
@@ -153,9 +161,8 @@ struct GateWalk {
 };
 
 template <int kKeys>
-__device__ __forceinline__ GateWalk gate_walk(int64_t g_head, int nh, bool heads_order) {
+__device__ __forceinline__ GateWalk gate_walk(int64_t g_head, int nh, bool heads_order, int t) {
   GateWalk w;
-  const int t = threadIdx.x;
   const int total = nh * kKeys;
   w.copies = t < total ? (total - 1 - t) / kThreads + 1 : 0;
   if (heads_order && g_head == 1 && nh > 1) {
@@ -220,12 +227,31 @@ struct DecodeSplit {
   bool gates_heads_order = true;  // FOX_DECODE_GATES_KEYS_FASTEST=1: the other order (A/B)
 };
 
-// TG: the gates' element type, float or __half.
-template <typename T, typename TG, int kHeadDim>
-__global__ void __launch_bounds__(kThreads)
+// A barrier of one group's 4 warps (named barrier 1 + group; 0 is __syncthreads'), or of the
+// block when it is the only group.
+template <int kGroups>
+__device__ __forceinline__ void group_barrier(int group) {
+  if constexpr (kGroups == 1)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(kThreads) : "memory");
+}
+
+// Shared memory of a paired block: each group's Smem, then the upper group's gate sums per head slot.
+template <int kHeadDim, int kGroups>
+struct BlockSmem {
+  static constexpr size_t kGroupBytes = (Smem<kHeadDim>::kBytes + 127) / 128 * 128;
+  static constexpr size_t kGateSumOffset = kGroups * kGroupBytes;
+  static constexpr size_t kBytes = kGateSumOffset + sizeof(float) * kRows;
+};
+
+// TG: the gates' element type, float or __half. kGroups: 1, or 2 for paired blocks.
+template <typename T, typename TG, int kHeadDim, int kGroups>
+__global__ void __launch_bounds__(kThreads * kGroups)
     decode_kernel(const ForwardParams p, const DecodeSplit split) {
   constexpr bool kHalfGates = std::is_same_v<TG, __half>;
   using L = Smem<kHeadDim>;
+  using B = BlockSmem<kHeadDim, kGroups>;
   using Mma = MmaTraits<T>;
   constexpr int kS = kStages<kHeadDim>;
   constexpr int kDimTiles = kHeadDim / 8;
@@ -234,7 +260,12 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kPerLane = kKeys / 32;  // keys per lane in the gate scan
   static_assert(sizeof(__half) * kKeys * kGhStride <= sizeof(float) * L::kGStage,
                 "a stage of float16 gates must fit in the float32 one");
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char block_smem[];
+  // This thread's group (0: the upper tiles of the chunk) and its index in the group.
+  const int cgroup = static_cast<int>(threadIdx.x) / kThreads;
+  const int tid = static_cast<int>(threadIdx.x) % kThreads;
+  unsigned char* smem_raw = block_smem + cgroup * B::kGroupBytes;
+  float* upper_gate_sum = reinterpret_cast<float*>(block_smem + B::kGateSumOffset);  // [head slot]
   T* Qs = reinterpret_cast<T*>(smem_raw) + L::kQ;
   T* KV = reinterpret_cast<T*>(smem_raw) + L::kKV;
   float* Gs = reinterpret_cast<float*>(smem_raw + L::kGateOffset);
@@ -245,7 +276,7 @@ __global__ void __launch_bounds__(kThreads)
   // it, then let the combine kernel launch, so its launch latency overlaps this kernel.
   wait_for_previous_kernel();
   allow_next_kernel();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = tid & 31, warp = tid >> 5;
   const int group_id = lane >> 2, quad = lane & 3;
   const DecodeTile t = decode_tile<kKeys>(p, split.num_splits);
   const SequenceView& s = t.s;
@@ -264,7 +295,7 @@ __global__ void __launch_bounds__(kThreads)
   // Q rows (zero past the live rows) and rq of each row.
   {
     constexpr int kChunks = kHeadDim / 8;
-    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
       const int r = idx / kChunks, chunk = idx % kChunks;
       const bool valid = r < t.rows;
       const int64_t packed = t.row0 + (valid ? r : 0);
@@ -273,8 +304,8 @@ __global__ void __launch_bounds__(kThreads)
                      i * p.q_row_stride + h * p.q_head_stride + chunk * 8;
       cp_async_16(Qs + swizzled<kHeadDim>(r, chunk), src, valid);
     }
-    if (threadIdx.x < kRows) {
-      const int r = threadIdx.x;
+    if (tid < kRows) {
+      const int r = tid;
       float rq = 0.f;
       if (r < t.rows) {
         const int64_t packed = t.row0 + r;
@@ -287,15 +318,21 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Prologue of the ring: the chunk's top kS - 1 tiles (walked downwards).
   // float32: one copy a gate; float16: a copy a pair of heads (nh is even there)
-  const GateWalk walk = kHalfGates ? gate_walk<kKeys>(1, t.nh / 2, true)
-                                   : gate_walk<kKeys>(p.g_head_stride, t.nh, split.gates_heads_order);
-  const int64_t num_tiles = t.tile_hi - t.tile_lo + 1;
+  const GateWalk walk = kHalfGates
+                            ? gate_walk<kKeys>(1, t.nh / 2, true, tid)
+                            : gate_walk<kKeys>(p.g_head_stride, t.nh, split.gates_heads_order, tid);
+  // The group's tiles, walked downwards from `top_tile`: all of the chunk's, or its upper half
+  // (group 0) or lower half (group 1).
+  const int64_t chunk_tiles = t.tile_hi - t.tile_lo + 1;
+  const int64_t upper_tiles = kGroups == 1 ? chunk_tiles : (chunk_tiles + 1) / 2;
+  const int64_t num_tiles = cgroup == 0 ? upper_tiles : chunk_tiles - upper_tiles;
+  const int64_t top_tile = t.tile_hi - (cgroup == 0 ? 0 : upper_tiles);
   auto issue = [&](int64_t it) {
     if (it < num_tiles) {
       const int stage = static_cast<int>(it % kS);
-      const int64_t j0 = (t.tile_hi - it) * kKeys;
+      const int64_t j0 = (top_tile - it) * kKeys;
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
-                                kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k);
+                                kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k, tid);
       if constexpr (kHalfGates)
         load_half_gate_tile<kKeys>(reinterpret_cast<__half*>(Gs + stage * L::kGStage), gbase,
                                    p.g_row_stride, walk, j0, s.len_k);
@@ -332,7 +369,7 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int64_t it = 0; it < num_tiles; ++it) {
     cp_async_wait<kS - 2>();
-    __syncthreads();  // stage `it` landed for everyone; every warp is done with tile it - 1
+    group_barrier<kGroups>(cgroup);  // stage `it` landed for the group; its warps are done with it - 1
     if (it == 0) {
 #pragma unroll
       for (int ks = 0; ks < kDimSteps; ++ks)
@@ -342,7 +379,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     issue(it + kS - 1);
     const int stage = static_cast<int>(it % kS);
-    const int64_t j0 = (t.tile_hi - it) * kKeys;
+    const int64_t j0 = (top_tile - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
     const float* G = Gs + stage * L::kGStage;
 #pragma unroll
@@ -369,7 +406,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
     }
-    __syncthreads();
+    group_barrier<kGroups>(cgroup);
 
     const T* Ks = KV + 2 * stage * L::kTileElems;
     const T* Vs = Ks + L::kTileElems;
@@ -450,7 +487,14 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   cp_async_wait<0>();
-  if (split.num_splits > 1 && lane == 0) {
+  // The upper group's gate sums per head slot: the bias the lower group's keys miss.
+  if (kGroups == 2 && cgroup == 0 && lane == 0) {
+#pragma unroll
+    for (int c = 0; c < kRows / kWarps; ++c)
+      if (warp + kWarps * c < t.nh) upper_gate_sum[warp + kWarps * c] = carry_slots[c];
+  }
+  __syncthreads();  // every group's stages are free (they hold the merge buffers from here on)
+  if (split.num_splits > 1 && lane == 0 && cgroup == kGroups - 1) {
     // The chunk's gate total per head (what the combine kernel carries to the chunks below). Two
     // row tiles may share a head: they write the same value.
 #pragma unroll
@@ -458,43 +502,56 @@ __global__ void __launch_bounds__(kThreads)
       const int slot = warp + kWarps * c;
       if (slot < t.nh)
         split.gate_total[(blockIdx.y * p.batch + s.batch_index) * p.num_heads + head0 + slot] =
-            carry_slots[c];
+            kGroups == 2 ? upper_gate_sum[slot] + carry_slots[c] : carry_slots[c];
     }
   }
-  __syncthreads();  // the stages are free: they hold the merge buffers from here on
 
-  // Merge the 4 warps: per row the max of the warps' maxima, then the rescaled sums.
-  float* Om = reinterpret_cast<float*>(KV);            // [warp][row][D]
-  float* Mm = Om + kWarps * kRows * kHeadDim;          // [warp][row]
-  float* Sm = Mm + kWarps * kRows;                     // [warp][row]
+  // Merge the warps of every group: per row the max of the warps' maxima, then the rescaled sums.
+  // Group g's buffers: O [warp][row][D], then the maxima and the sums [warp][row].
+  auto merge_o = [&](int g) {
+    return reinterpret_cast<float*>(reinterpret_cast<T*>(block_smem + g * B::kGroupBytes) + L::kKV);
+  };
+  auto merge_m = [&](int g) { return merge_o(g) + kWarps * kRows * kHeadDim; };
+  auto merge_s = [&](int g) { return merge_m(g) + kWarps * kRows; };
+  {
+    float* Om = merge_o(cgroup);
+    float* Mm = merge_m(cgroup);
+    float* Sm = merge_s(cgroup);
 #pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
-    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
-    const int r = group_id + 8 * hi;
-    if (quad == 0) {
-      Mm[warp * kRows + r] = row_max[hi];
-      Sm[warp * kRows + r] = row_sum[hi];
+    for (int hi = 0; hi < 2; ++hi) {
+      row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+      row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+      const int r = group_id + 8 * hi;
+      if (quad == 0) {
+        // the lower group's scores all miss the upper group's gate sum (-inf stays -inf)
+        const float shift = kGroups == 2 && cgroup == 1 && r < t.rows
+                                ? upper_gate_sum[slot_of[hi]] * kLog2e
+                                : 0.f;
+        Mm[warp * kRows + r] = row_max[hi] + shift;
+        Sm[warp * kRows + r] = row_sum[hi];
+      }
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n)
+        *reinterpret_cast<float2*>(Om + (warp * kRows + r) * kHeadDim + n * 8 + quad * 2) =
+            make_float2(o[n][2 * hi], o[n][2 * hi + 1]);
     }
-#pragma unroll
-    for (int n = 0; n < kDimTiles; ++n)
-      *reinterpret_cast<float2*>(Om + (warp * kRows + r) * kHeadDim + n * 8 + quad * 2) =
-          make_float2(o[n][2 * hi], o[n][2 * hi + 1]);
   }
   __syncthreads();
-  // Thread layout of the epilogue: 8 threads per row, each a contiguous slice of D.
+  if (cgroup != 0) return;
+  // Thread layout of the epilogue (group 0): 8 threads per row, each a contiguous slice of D.
   constexpr int kPerThread = kHeadDim / 8;
-  const int r = threadIdx.x / 8, slice = (threadIdx.x % 8) * kPerThread;
+  constexpr int kMerged = kGroups * kWarps;
+  const int r = tid / 8, slice = (tid % 8) * kPerThread;
   if (r >= t.rows) return;
   float m = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, Mm[w * kRows + r]);
+  for (int w = 0; w < kMerged; ++w) m = fmaxf(m, merge_m(w / kWarps)[(w % kWarps) * kRows + r]);
   const float base = m == -INFINITY ? 0.f : m;
-  float scale_w[kWarps], total = 0.f;
+  float scale_w[kMerged], total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    scale_w[w] = exp2f(Mm[w * kRows + r] - base);
-    total += Sm[w * kRows + r] * scale_w[w];
+  for (int w = 0; w < kMerged; ++w) {
+    scale_w[w] = exp2f(merge_m(w / kWarps)[(w % kWarps) * kRows + r] - base);
+    total += merge_s(w / kWarps)[(w % kWarps) * kRows + r] * scale_w[w];
   }
   const bool empty = total == 0.f;
   const float inv = empty ? 0.f : 1.f / total;
@@ -506,7 +563,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = 0; d < kPerThread; ++d) {
     float x = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) x += Om[(w * kRows + r) * kHeadDim + slice + d] * scale_w[w];
+    for (int w = 0; w < kMerged; ++w)
+      x += merge_o(w / kWarps)[((w % kWarps) * kRows + r) * kHeadDim + slice + d] * scale_w[w];
     acc[d] = x * inv;
   }
   const int64_t row = s.batch_index * tq + i;  // (batch, query) row of the lse layout
@@ -635,16 +693,25 @@ __global__ void __launch_bounds__(kThreads)
 
 namespace fox::cuda {
 
-// Resident blocks per SM (the split planner fills the GPU with one wave of them).
+// The kernel with its dynamic shared memory allowed (per device: set at every call).
+template <typename T, typename TG, int kHeadDim, int kGroups>
+auto decode_kernel_with_smem() {
+  using namespace decode;
+  constexpr size_t smem = BlockSmem<kHeadDim, kGroups>::kBytes;
+  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups>;
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  return kernel;
+}
+
+// Resident single-group blocks per SM (the split planner fills the GPU with one wave of them).
 template <typename T, typename TG, int kHeadDim>
 int decode_blocks_per_sm_of() {
   using namespace decode;
-  constexpr size_t smem = Smem<kHeadDim>::kBytes;
-  auto kernel = decode_kernel<T, TG, kHeadDim>;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  auto kernel = decode_kernel_with_smem<T, TG, kHeadDim, 1>();
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads,
+                                                    BlockSmem<kHeadDim, 1>::kBytes) != cudaSuccess)
     return 1;
   return blocks > 0 ? blocks : 1;
 }
@@ -656,7 +723,7 @@ int decode_blocks_per_sm(bool half_gates) {
   return half_gates ? with_half : with_float;
 }
 
-template <typename T, typename TG, int kHeadDim>
+template <typename T, typename TG, int kHeadDim, int kGroups>
 void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_partial,
                              float* lse_partial, float* gate_total, cudaStream_t stream) {
   using namespace decode;
@@ -666,11 +733,8 @@ void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_
   if (grid.x == 0 || grid.z == 0) return;
   static const bool keys_fastest = std::getenv("FOX_DECODE_GATES_KEYS_FASTEST") != nullptr;
   DecodeSplit split{num_splits, out_partial, lse_partial, gate_total, !keys_fastest};
-  constexpr size_t smem = Smem<kHeadDim>::kBytes;
-  auto kernel = decode_kernel<T, TG, kHeadDim>;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  launch_dependent(kernel, grid, dim3(kThreads), smem, stream, p, split);
+  launch_dependent(decode_kernel_with_smem<T, TG, kHeadDim, kGroups>(), grid,
+                   dim3(kThreads * kGroups), BlockSmem<kHeadDim, kGroups>::kBytes, stream, p, split);
   if (num_splits > 1) {
     const int64_t items = p.batch * p.seqlen_q * p.num_heads;  // one block each
     launch_dependent(decode_combine_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(items)),
@@ -678,16 +742,27 @@ void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_
   }
 }
 
+template <typename T, typename TG, int kHeadDim>
+void run_decode_forward_planned(const ForwardParams& p, const DecodePlan& plan, float* out_partial,
+                                float* lse_partial, float* gate_total, cudaStream_t stream) {
+  if (plan.paired)
+    run_decode_forward_with<T, TG, kHeadDim, 2>(p, plan.num_splits, out_partial, lse_partial,
+                                                gate_total, stream);
+  else
+    run_decode_forward_with<T, TG, kHeadDim, 1>(p, plan.num_splits, out_partial, lse_partial,
+                                                gate_total, stream);
+}
+
 template <typename T, int kHeadDim>
-void run_decode_forward(const ForwardParams& p, bool half_gates, int num_splits,
+void run_decode_forward(const ForwardParams& p, bool half_gates, const DecodePlan& plan,
                         float* out_partial, float* lse_partial, float* gate_total,
                         cudaStream_t stream) {
   if (half_gates)
-    run_decode_forward_with<T, __half, kHeadDim>(p, num_splits, out_partial, lse_partial,
-                                                 gate_total, stream);
+    run_decode_forward_planned<T, __half, kHeadDim>(p, plan, out_partial, lse_partial, gate_total,
+                                                    stream);
   else
-    run_decode_forward_with<T, float, kHeadDim>(p, num_splits, out_partial, lse_partial,
-                                                gate_total, stream);
+    run_decode_forward_planned<T, float, kHeadDim>(p, plan, out_partial, lse_partial, gate_total,
+                                                   stream);
 }
 
 }  // namespace fox::cuda

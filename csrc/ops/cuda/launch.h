@@ -73,11 +73,17 @@ constexpr int kDecodeMaxSplits = 256;
 // Keys per tile of the decoding kernel: head dim 64 takes 128 keys to move as many bytes per tile
 // (two barriers and a gate scan) as head dim 128 does with 64.
 constexpr int decode_keys_per_tile(int head_dim) { return head_dim <= 64 ? 128 : 64; }
-// half_gates: log_fgate is float16 (else float32).
+// The decoding kernel's plan: chunks per row, and paired blocks (two groups of warps, each a half
+// of the chunk, merged in the block: decode.cuh) or single ones.
+struct DecodePlan {
+  int num_splits = 1;
+  bool paired = false;
+};
+// half_gates: log_fgate is float16 (else float32). Resident single blocks per SM.
 template <typename T, int kHeadDim>
 int decode_blocks_per_sm(bool half_gates);
 template <typename T, int kHeadDim>
-void run_decode_forward(const ForwardParams& p, bool half_gates, int num_splits,
+void run_decode_forward(const ForwardParams& p, bool half_gates, const DecodePlan& plan,
                         float* out_partial, float* lse_partial, float* gate_total,
                         cudaStream_t stream);
 

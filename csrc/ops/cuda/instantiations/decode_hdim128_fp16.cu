@@ -3,6 +3,6 @@
 
 namespace fox::cuda {
 template int decode_blocks_per_sm<__half, 128>(bool);
-template void run_decode_forward<__half, 128>(const ForwardParams&, bool, int, float*, float*,
-                                          float*, cudaStream_t);
+template void run_decode_forward<__half, 128>(const ForwardParams&, bool, const DecodePlan&,
+                                           float*, float*, float*, cudaStream_t);
 }  // namespace fox::cuda

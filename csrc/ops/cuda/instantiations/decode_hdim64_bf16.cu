@@ -3,6 +3,6 @@
 
 namespace fox::cuda {
 template int decode_blocks_per_sm<__nv_bfloat16, 64>(bool);
-template void run_decode_forward<__nv_bfloat16, 64>(const ForwardParams&, bool, int, float*, float*,
-                                          float*, cudaStream_t);
+template void run_decode_forward<__nv_bfloat16, 64>(const ForwardParams&, bool, const DecodePlan&,
+                                           float*, float*, float*, cudaStream_t);
 }  // namespace fox::cuda
