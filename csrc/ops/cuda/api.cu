@@ -94,10 +94,13 @@ int decode_paired_override() {
 // device only (never of the lengths in device memory), so a captured CUDA graph replays the same
 // plan.
 //
-// Paired blocks where the unsplit grid gives between half of the SMs and all of them one block:
-// single blocks would need a split to put two groups of warps on an SM, and the split's partial
-// results, combine and second wave cost more than they bring (B=8, 12/12 heads, D=128, 2k keys:
-// 55.6 us single and split, 50.7 us paired and unsplit; H100). Where fewer blocks face the cache,
+// Paired blocks where the unsplit grid gives between half of the SMs and all of them one block and
+// the cache is short: single blocks would need a split to put two groups of warps on an SM, and the
+// split's partial results, combine and second wave cost more than they bring (B=8, 12/12 heads,
+// D=128, 2k keys: 55.6 us single and split, 50.7 us paired and unsplit; H100). A long cache is
+// bound by bandwidth, and a split reaches every SM while an unsplit grid leaves up to half of them
+// idle: paired there only if the grid covers nearly all SMs (B=8, 16/16 heads, D=64, 128k keys:
+// 975 against 996 us, but 12/12 heads 788 against 765; H200). Where fewer blocks face the cache,
 // a split gives two single blocks an SM anyway, and pairing measured the same (within 3%).
 //
 // Otherwise single blocks run in waves of (resident blocks per SM x SMs); a last wave that is
@@ -125,8 +128,11 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm) {
     return (key_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
   };
   DecodePlan plan;
-  plan.paired = paired_override == 1 ? base <= sms
-                                     : paired_override != 0 && 2 * base >= sms && base <= sms;
+  const bool short_cache = p.seqlen_k <= 8192;
+  plan.paired = paired_override == 1
+                    ? base <= sms
+                    : paired_override != 0 && base <= sms &&
+                          (8 * base >= 7 * sms || (short_cache && 2 * base >= sms));
   if (override_splits > 0) {
     plan.num_splits = static_cast<int>(std::min<int64_t>(override_splits, max_splits));
     return plan;

@@ -487,27 +487,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     }
   }
   cp_async_wait<0>();
-  // The upper group's gate sums per head slot: the bias the lower group's keys miss.
-  if (kGroups == 2 && cgroup == 0 && lane == 0) {
-#pragma unroll
-    for (int c = 0; c < kRows / kWarps; ++c)
-      if (warp + kWarps * c < t.nh) upper_gate_sum[warp + kWarps * c] = carry_slots[c];
-  }
   __syncthreads();  // every group's stages are free (they hold the merge buffers from here on)
-  if (split.num_splits > 1 && lane == 0 && cgroup == kGroups - 1) {
-    // The chunk's gate total per head (what the combine kernel carries to the chunks below). Two
-    // row tiles may share a head: they write the same value.
-#pragma unroll
-    for (int c = 0; c < kRows / kWarps; ++c) {
-      const int slot = warp + kWarps * c;
-      if (slot < t.nh)
-        split.gate_total[(blockIdx.y * p.batch + s.batch_index) * p.num_heads + head0 + slot] =
-            kGroups == 2 ? upper_gate_sum[slot] + carry_slots[c] : carry_slots[c];
-    }
-  }
 
-  // Merge the warps of every group: per row the max of the warps' maxima, then the rescaled sums.
-  // Group g's buffers: O [warp][row][D], then the maxima and the sums [warp][row].
+  // Merge buffers of group g: O [warp][row][D], then the maxima and the sums [warp][row].
   auto merge_o = [&](int g) {
     return reinterpret_cast<float*>(reinterpret_cast<T*>(block_smem + g * B::kGroupBytes) + L::kKV);
   };
@@ -523,11 +505,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
       const int r = group_id + 8 * hi;
       if (quad == 0) {
-        // the lower group's scores all miss the upper group's gate sum (-inf stays -inf)
-        const float shift = kGroups == 2 && cgroup == 1 && r < t.rows
-                                ? upper_gate_sum[slot_of[hi]] * kLog2e
-                                : 0.f;
-        Mm[warp * kRows + r] = row_max[hi] + shift;
+        Mm[warp * kRows + r] = row_max[hi];
         Sm[warp * kRows + r] = row_sum[hi];
       }
 #pragma unroll
@@ -536,21 +514,46 @@ __global__ void __launch_bounds__(kThreads * kGroups)
             make_float2(o[n][2 * hi], o[n][2 * hi + 1]);
     }
   }
+  // The upper group's gate sums per head slot: what the lower group's scores all miss.
+  if (kGroups == 2 && cgroup == 0 && lane == 0) {
+#pragma unroll
+    for (int c = 0; c < kRows / kWarps; ++c)
+      if (warp + kWarps * c < t.nh) upper_gate_sum[warp + kWarps * c] = carry_slots[c];
+  }
   __syncthreads();
+  if (split.num_splits > 1 && lane == 0 && cgroup == kGroups - 1) {
+    // The chunk's gate total per head (what the combine kernel carries to the chunks below). Two
+    // row tiles may share a head: they write the same value.
+#pragma unroll
+    for (int c = 0; c < kRows / kWarps; ++c) {
+      const int slot = warp + kWarps * c;
+      if (slot < t.nh)
+        split.gate_total[(blockIdx.y * p.batch + s.batch_index) * p.num_heads + head0 + slot] =
+            kGroups == 2 ? upper_gate_sum[slot] + carry_slots[c] : carry_slots[c];
+    }
+  }
   if (cgroup != 0) return;
-  // Thread layout of the epilogue (group 0): 8 threads per row, each a contiguous slice of D.
+  // The epilogue (group 0): 8 threads per row, each a contiguous slice of D. Per row the max of
+  // every warp's maximum (the lower group's shifted by the upper group's gate sum of the row's
+  // head; -inf stays -inf), then the rescaled sums.
   constexpr int kPerThread = kHeadDim / 8;
   constexpr int kMerged = kGroups * kWarps;
   const int r = tid / 8, slice = (tid % 8) * kPerThread;
   if (r >= t.rows) return;
+  const float lower_shift =
+      kGroups == 2 ? upper_gate_sum[(t.row0 + r) / tq - t.first_head] * kLog2e : 0.f;
+  float row_max_w[kMerged];
+#pragma unroll
+  for (int w = 0; w < kMerged; ++w)
+    row_max_w[w] = merge_m(w / kWarps)[(w % kWarps) * kRows + r] + (w < kWarps ? 0.f : lower_shift);
   float m = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kMerged; ++w) m = fmaxf(m, merge_m(w / kWarps)[(w % kWarps) * kRows + r]);
+  for (int w = 0; w < kMerged; ++w) m = fmaxf(m, row_max_w[w]);
   const float base = m == -INFINITY ? 0.f : m;
   float scale_w[kMerged], total = 0.f;
 #pragma unroll
   for (int w = 0; w < kMerged; ++w) {
-    scale_w[w] = exp2f(merge_m(w / kWarps)[(w % kWarps) * kRows + r] - base);
+    scale_w[w] = exp2f(row_max_w[w] - base);
     total += merge_s(w / kWarps)[(w % kWarps) * kRows + r] * scale_w[w];
   }
   const bool empty = total == 0.f;
