@@ -13,7 +13,8 @@
 // and the warps are merged at the end.
 //
 // Paired blocks (kGroups = 2): two such groups of 4 warps in one block, each with its own ring and
-// shared memory, the upper and the lower half of the chunk's tiles, merged in the block. A block
+// shared memory, the upper and the lower half of the chunk's tiles walked in step, merged in the
+// block. A block
 // walks its tiles one after another, ~1 us a tile whatever the bytes in flight (the gate scan, two
 // barriers, the softmax), so a grid of at most one block an SM leaves each SM one tile at a time;
 // two groups double that without a second block per SM and without the split's partial results.
@@ -227,16 +228,6 @@ struct DecodeSplit {
   bool gates_heads_order = true;  // FOX_DECODE_GATES_KEYS_FASTEST=1: the other order (A/B)
 };
 
-// A barrier of one group's 4 warps (named barrier 1 + group; 0 is __syncthreads'), or of the
-// block when it is the only group.
-template <int kGroups>
-__device__ __forceinline__ void group_barrier(int group) {
-  if constexpr (kGroups == 1)
-    __syncthreads();
-  else
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(kThreads) : "memory");
-}
-
 // Shared memory of a paired block: each group's Smem, then the upper group's gate sums per head slot.
 template <int kHeadDim, int kGroups>
 struct BlockSmem {
@@ -367,9 +358,11 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     pos_of[hi] = r < t.rows ? s.query_position(packed % tq) : -1;  // dead rows see no key
   }
 
-  for (int64_t it = 0; it < num_tiles; ++it) {
+  // The groups walk in step (the block's barriers are shared): upper_tiles turns, the last one idle
+  // for the lower group when it has a tile fewer.
+  for (int64_t it = 0; it < upper_tiles; ++it) {
     cp_async_wait<kS - 2>();
-    group_barrier<kGroups>(cgroup);  // stage `it` landed for the group; its warps are done with it - 1
+    __syncthreads();  // stage `it` landed for everyone; every warp is done with tile it - 1
     if (it == 0) {
 #pragma unroll
       for (int ks = 0; ks < kDimSteps; ++ks)
@@ -378,6 +371,10 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       for (int hi = 0; hi < 2; ++hi) rq[hi] = Rq[group_id + 8 * hi];
     }
     issue(it + kS - 1);
+    if (it >= num_tiles) {
+      __syncthreads();
+      continue;
+    }
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (top_tile - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
@@ -406,7 +403,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       }
       carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
     }
-    group_barrier<kGroups>(cgroup);
+    __syncthreads();
 
     const T* Ks = KV + 2 * stage * L::kTileElems;
     const T* Vs = Ks + L::kTileElems;
