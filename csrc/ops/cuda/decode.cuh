@@ -371,10 +371,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       for (int hi = 0; hi < 2; ++hi) rq[hi] = Rq[group_id + 8 * hi];
     }
     issue(it + kS - 1);
-    if (it >= num_tiles) {
-      __syncthreads();
-      continue;
-    }
+    const bool live = it < num_tiles;  // every barrier below is reached by the idle group too
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (top_tile - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
@@ -382,7 +379,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
 #pragma unroll
     for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
-      if (slot >= t.nh) break;
+      if (!live || slot >= t.nh) break;
       float x[kPerLane], lane_sum = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
@@ -404,6 +401,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
     }
     __syncthreads();
+    if (!live) continue;
 
     const T* Ks = KV + 2 * stage * L::kTileElems;
     const T* Vs = Ks + L::kTileElems;
