@@ -13,8 +13,7 @@
 // and the warps are merged at the end.
 //
 // Paired blocks (kGroups = 2): two such groups of 4 warps in one block, each with its own ring and
-// shared memory, the upper and the lower half of the chunk's tiles walked in step, merged in the
-// block. A block
+// shared memory, the upper and the lower half of the chunk's tiles, merged in the block. A block
 // walks its tiles one after another, ~1 us a tile whatever the bytes in flight (the gate scan, two
 // barriers, the softmax), so a grid of at most one block an SM leaves each SM one tile at a time;
 // two groups double that without a second block per SM and without the split's partial results.
@@ -228,6 +227,16 @@ struct DecodeSplit {
   bool gates_heads_order = true;  // FOX_DECODE_GATES_KEYS_FASTEST=1: the other order (A/B)
 };
 
+// A barrier of one group's 4 warps (named barrier 1 + group; 0 is __syncthreads'), or of the
+// block when it is the only group.
+template <int kGroups>
+__device__ __forceinline__ void group_barrier(int group) {
+  if constexpr (kGroups == 1)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(kThreads) : "memory");
+}
+
 // Shared memory of a paired block: each group's Smem, then the upper group's gate sums per head slot.
 template <int kHeadDim, int kGroups>
 struct BlockSmem {
@@ -314,7 +323,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
                             : gate_walk<kKeys>(p.g_head_stride, t.nh, split.gates_heads_order, tid);
   // The group's tiles, walked downwards from `top_tile`: all of the chunk's, or its upper half
   // (group 0) or lower half (group 1).
-  const int64_t chunk_tiles = t.tile_hi - t.tile_lo + 1;
+  const int64_t chunk_tiles = max64(0, t.tile_hi - t.tile_lo + 1);  // a row shorter than its chunk: 0
   const int64_t upper_tiles = kGroups == 1 ? chunk_tiles : (chunk_tiles + 1) / 2;
   const int64_t num_tiles = cgroup == 0 ? upper_tiles : chunk_tiles - upper_tiles;
   const int64_t top_tile = t.tile_hi - (cgroup == 0 ? 0 : upper_tiles);
@@ -358,11 +367,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     pos_of[hi] = r < t.rows ? s.query_position(packed % tq) : -1;  // dead rows see no key
   }
 
-  // The groups walk in step (the block's barriers are shared): upper_tiles turns, the last one idle
-  // for the lower group when it has a tile fewer.
-  for (int64_t it = 0; it < upper_tiles; ++it) {
+  for (int64_t it = 0; it < num_tiles; ++it) {
     cp_async_wait<kS - 2>();
-    __syncthreads();  // stage `it` landed for everyone; every warp is done with tile it - 1
+    group_barrier<kGroups>(cgroup);  // stage `it` landed for the group; its warps are done with it - 1
     if (it == 0) {
 #pragma unroll
       for (int ks = 0; ks < kDimSteps; ++ks)
@@ -371,7 +378,6 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       for (int hi = 0; hi < 2; ++hi) rq[hi] = Rq[group_id + 8 * hi];
     }
     issue(it + kS - 1);
-    const bool live = it < num_tiles;  // every barrier below is reached by the idle group too
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (top_tile - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
@@ -379,7 +385,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
 #pragma unroll
     for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
-      if (!live || slot >= t.nh) break;
+      if (slot >= t.nh) break;
       float x[kPerLane], lane_sum = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
@@ -400,8 +406,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       }
       carry_slots[c] += __shfl_sync(0xffffffffu, incl, 0);
     }
-    __syncthreads();
-    if (!live) continue;
+    group_barrier<kGroups>(cgroup);
 
     const T* Ks = KV + 2 * stage * L::kTileElems;
     const T* Vs = Ks + L::kTileElems;
@@ -482,6 +487,14 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     }
   }
   cp_async_wait<0>();
+  // The lower group walks at most one tile fewer: it passes as many of its barriers as the upper
+  // group does of its own, so that both reach the block's barriers below with equal counts (the
+  // order in which compute-sanitizer's racecheck places a block's accesses).
+  if constexpr (kGroups == 2)
+    for (int64_t it = num_tiles; it < upper_tiles; ++it) {
+      group_barrier<kGroups>(cgroup);
+      group_barrier<kGroups>(cgroup);
+    }
   __syncthreads();  // every group's stages are free (they hold the merge buffers from here on)
 
   // Merge buffers of group g: O [warp][row][D], then the maxima and the sums [warp][row].
