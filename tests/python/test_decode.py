@@ -30,15 +30,12 @@ def reference_rows(q, k, v, g, *, seq_start=None, cache_seqlens=None, dtype=torc
     return torch.cat(outs)
 
 
-@pytest.fixture(params=["single", "paired", "deep"])
+@pytest.fixture(params=["single", "paired"])
 def blocks(request, monkeypatch):
-    """The decoding kernel's block forms (FOX_DECODE_PAIRED / FOX_DECODE_DEEP, read at each call):
-    single blocks on the shallow ring; paired blocks, two groups of warps each taking half of a
-    chunk, where a grid has at most one block an SM; single blocks on the deep ring (two tiles in
-    flight) where a row tile spans at most 8 heads and two such blocks fit an SM (float16 gates at
-    head dim 64, any gates at 128; otherwise the shallow ring runs)."""
+    """Both block forms of the decoding kernel (FOX_DECODE_PAIRED, read at each call): paired
+    blocks, two groups of warps each taking half of a chunk, are planned where a grid has at most
+    one block an SM."""
     monkeypatch.setenv("FOX_DECODE_PAIRED", "1" if request.param == "paired" else "0")
-    monkeypatch.setenv("FOX_DECODE_DEEP", "1" if request.param == "deep" else "0")
     return request.param
 
 

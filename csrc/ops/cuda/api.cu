@@ -83,10 +83,10 @@ bool decode_kernel_enabled() {
   return enabled;
 }
 
-// FOX_DECODE_PAIRED=0 / FOX_DECODE_DEEP=0 turn paired blocks / the deep ring off, =1 takes them
-// wherever they can run (A/B runs, tests); read per call, as FOX_DECODE_SPLITS.
-int env_switch(const char* name) {
-  const char* v = std::getenv(name);
+// FOX_DECODE_PAIRED=0 keeps the decoding kernel on single blocks, =1 pairs them wherever the grid
+// has at most one block an SM (A/B runs, tests); read per call, as FOX_DECODE_SPLITS.
+int decode_paired_override() {
+  const char* v = std::getenv("FOX_DECODE_PAIRED");
   return v == nullptr || *v == '\0' ? -1 : std::atoi(v);
 }
 
@@ -103,21 +103,17 @@ int env_switch(const char* name) {
 // 975 against 996 us, but 12/12 heads 788 against 765; H200). Where fewer blocks face the cache,
 // a split gives two single blocks an SM anyway, and pairing measured the same (within 3%).
 //
-// Otherwise the deep ring where a row tile spans at most kDecodeDeepSlots heads and two blocks of it
-// fit an SM: two tiles in flight a block instead of one, as many blocks an SM.
-//
-// Single blocks run in waves of (resident blocks per SM x SMs); a last wave that is
+// Otherwise single blocks run in waves of (resident blocks per SM x SMs); a last wave that is
 // mostly empty costs as much as a full one. So, as FlashAttention's split heuristic does, take the
 // fewest chunks whose wave efficiency (blocks / (waves x wave size)) is within 85% of the best.
 // Candidates are whole numbers of key tiles per chunk, so the chunks of the longest row are equal
 // (no empty blocks); a small cache that cannot fill the GPU gets one tile per chunk, every tile's
 // load in flight at once (latency, not bandwidth, bounds it). FOX_DECODE_SPLITS overrides the
 // chunks (tuning, tests).
-DecodePlan plan_decode(const ForwardParams& p, int shallow_blocks_per_sm, int deep_blocks_per_sm) {
+DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm) {
   const char* override_env = std::getenv("FOX_DECODE_SPLITS");  // read per call: tests set it
   const int override_splits = override_env ? std::atoi(override_env) : 0;
-  const int paired_override = env_switch("FOX_DECODE_PAIRED");
-  const int deep_override = env_switch("FOX_DECODE_DEEP");
+  const int paired_override = decode_paired_override();
   const int64_t row_tiles = (p.heads_per_kv_head() * p.seqlen_q + 15) / 16;
   const int64_t base = p.batch * p.num_kv_heads * row_tiles;
   const int64_t keys_per_tile = decode_keys_per_tile(static_cast<int>(p.head_dim));
@@ -137,11 +133,6 @@ DecodePlan plan_decode(const ForwardParams& p, int shallow_blocks_per_sm, int de
                     ? base <= sms
                     : paired_override != 0 && base <= sms &&
                           (8 * base >= 7 * sms || (short_cache && 2 * base >= sms));
-  // The most query heads a row tile spans: 16 rows of (head, query) pairs, Tq queries a head.
-  const int64_t tile_heads = std::min<int64_t>(p.heads_per_kv_head(), 15 / p.seqlen_q + 2);
-  plan.deep_ring = !plan.paired && deep_override != 0 && tile_heads <= kDecodeDeepSlots &&
-                   deep_blocks_per_sm >= std::min(2, shallow_blocks_per_sm);
-  const int blocks_per_sm = plan.deep_ring ? deep_blocks_per_sm : shallow_blocks_per_sm;
   if (override_splits > 0) {
     plan.num_splits = static_cast<int>(std::min<int64_t>(override_splits, max_splits));
     return plan;
@@ -257,8 +248,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          const DecodePlan plan = plan_decode(p, decode_blocks_per_sm<T, kHeadDim>(half_gates, false),
-                                              decode_blocks_per_sm<T, kHeadDim>(half_gates, true));
+          const DecodePlan plan = plan_decode(p, decode_blocks_per_sm<T, kHeadDim>(half_gates));
           const int64_t splits = plan.num_splits;
           at::Tensor out_partial, lse_partial, gate_total;
           if (splits > 1) {

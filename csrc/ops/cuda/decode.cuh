@@ -49,46 +49,37 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxSplits = kDecodeMaxSplits;  // the combine keeps a weight per chunk in shared memory
 
-// The cp.async ring of a block: its stages of K, V and gate tiles (bytes in flight) and the head
-// slots its gate and R buffers hold (the most query heads a row tile spans), which together set its
-// shared memory and so how many blocks share an SM. The shallow ring holds any row tile (16 slots)
-// with one tile in flight while another is computed; the deep ring holds row tiles of at most 8
-// heads (every Tq = 1 tile of a group <= 8) with two tiles in flight, and still fits two blocks an
-// SM for float16 gates at head dim 64 and for any gates at 128.
-template <int kStagesOf, int kSlotsOf>
-struct Ring {
-  static constexpr int kStages = kStagesOf;
-  static constexpr int kSlots = kSlotsOf;
-};
-using ShallowRing = Ring<2, 16>;
-using DeepRing = Ring<3, kDecodeDeepSlots>;
+// Stages of the cp.async ring: bytes in flight per SM against shared memory per block (the
+// shared memory sets how many blocks fit on an SM). FOX_DECODE_STAGES_64/128 override them.
+#ifndef FOX_DECODE_STAGES_64
+#define FOX_DECODE_STAGES_64 2
+#endif
+#ifndef FOX_DECODE_STAGES_128
+#define FOX_DECODE_STAGES_128 2
+#endif
+template <int kHeadDim>
+constexpr int kStages = kHeadDim <= 64 ? FOX_DECODE_STAGES_64 : FOX_DECODE_STAGES_128;
 
-// TG: the gates' element type (float or __half); R: the ring.
-template <int kHeadDim, typename TG, typename R>
+template <int kHeadDim>
 struct Smem {
-  static constexpr int kStages = R::kStages, kSlots = R::kSlots;
   static constexpr int kKeys = kKeysOf<kHeadDim>;
   static constexpr int kTileElems = kKeys * kHeadDim;  // one K or V tile, 2-byte elements
   static constexpr int kQ = 0;                          // Q tile (16 rows)
   static constexpr int kKV = kRows * kHeadDim;          // stage s: K at kKV + 2s tiles, V after it
-  static constexpr int kElems = kKV + 2 * kStages * kTileElems;
-  // A stage of gates. float: G[slot][key], slot rows padded by 4 floats (loaded head-fastest, the
-  // (up to 8) slots of one key fall on different banks). float16: G[key][slot], key rows of
-  // kGhStride halves (copied a pair of heads at a time).
+  static constexpr int kElems = kKV + 2 * kStages<kHeadDim> * kTileElems;
+  // float gates[stage][head slot][key], slot rows padded by 4 floats: loaded head-fastest, the
+  // (up to 8) slots of one key fall on different banks.
   static constexpr int kGStride = kKeys + 4;
-  static constexpr int kGhStride = kSlots + 2;
-  static constexpr size_t kGateStageBytes = std::is_same_v<TG, __half>
-                                                ? sizeof(__half) * kKeys * kGhStride
-                                                : sizeof(float) * kSlots * kGStride;
+  static constexpr int kGStage = kRows * kGStride;
   static constexpr size_t kGateOffset = sizeof(uint16_t) * kElems;
-  static constexpr size_t kROffset = kGateOffset + (kStages * kGateStageBytes + 15) / 16 * 16;
+  static constexpr size_t kROffset = kGateOffset + sizeof(float) * kStages<kHeadDim> * kGStage;
   // R rows padded by 8 floats: the 8 rows a warp reads at once fall on different banks.
   static constexpr int kRStride = kKeys + 8;
-  static constexpr size_t kRqOffset = kROffset + sizeof(float) * kSlots * kRStride;
+  static constexpr size_t kRqOffset = kROffset + sizeof(float) * kRows * kRStride;
   static constexpr size_t kBytes = kRqOffset + sizeof(float) * kRows;
   // The merge of the 4 warps reuses the K/V stages: O (4 x 16 x D) and 2 x 4 x 16 statistics.
   static_assert(sizeof(float) * (kWarps * kRows * kHeadDim + 2 * kWarps * kRows) <=
-                    sizeof(uint16_t) * 2 * kStages * kTileElems,
+                    sizeof(uint16_t) * 2 * kStages<kHeadDim> * kTileElems,
                 "merge buffers must fit in the K/V stages");
 };
 
@@ -209,8 +200,10 @@ __device__ __forceinline__ void load_gate_tile(float* Gs, const float* g, int64_
 // come near SDPA). cp.async moves at least 4 bytes, so a copy takes the gates of two adjacent heads
 // of one key: the (B, T, H) layout, an even head offset and an even head count (the host sends
 // every other case through float32 gates). They land in Gh[key][slot] (float16, slot rows of
-// kGhStride halves) and the scan converts them.
-template <int kKeys, int kGhStride>
+// kGhStride) and the scan converts them.
+constexpr int kGhStride = kRows + 2;
+
+template <int kKeys>
 __device__ __forceinline__ void load_half_gate_tile(__half* Gh, const __half* g, int64_t g_row,
                                                     const GateWalk& pairs, int64_t j0,
                                                     int64_t len) {
@@ -245,28 +238,28 @@ __device__ __forceinline__ void group_barrier(int group) {
 }
 
 // Shared memory of a paired block: each group's Smem, then the upper group's gate sums per head slot.
-template <int kHeadDim, typename TG, typename R, int kGroups>
+template <int kHeadDim, int kGroups>
 struct BlockSmem {
-  static constexpr size_t kGroupBytes = (Smem<kHeadDim, TG, R>::kBytes + 127) / 128 * 128;
+  static constexpr size_t kGroupBytes = (Smem<kHeadDim>::kBytes + 127) / 128 * 128;
   static constexpr size_t kGateSumOffset = kGroups * kGroupBytes;
   static constexpr size_t kBytes = kGateSumOffset + sizeof(float) * kRows;
 };
 
-// TG: the gates' element type, float or __half. kGroups: 1, or 2 for paired blocks. R: the ring
-// (row tiles of at most R::kSlots heads: the host's choice).
-template <typename T, typename TG, int kHeadDim, int kGroups, typename R>
+// TG: the gates' element type, float or __half. kGroups: 1, or 2 for paired blocks.
+template <typename T, typename TG, int kHeadDim, int kGroups>
 __global__ void __launch_bounds__(kThreads * kGroups)
     decode_kernel(const ForwardParams p, const DecodeSplit split) {
   constexpr bool kHalfGates = std::is_same_v<TG, __half>;
-  using L = Smem<kHeadDim, TG, R>;
-  using B = BlockSmem<kHeadDim, TG, R, kGroups>;
+  using L = Smem<kHeadDim>;
+  using B = BlockSmem<kHeadDim, kGroups>;
   using Mma = MmaTraits<T>;
-  constexpr int kS = L::kStages;
-  constexpr int kSlotsPerWarp = L::kSlots / kWarps;
+  constexpr int kS = kStages<kHeadDim>;
   constexpr int kDimTiles = kHeadDim / 8;
   constexpr int kDimSteps = kHeadDim / 16;
   constexpr int kKeys = kKeysOf<kHeadDim>, kSteps = kWarpKeySteps<kHeadDim>;
   constexpr int kPerLane = kKeys / 32;  // keys per lane in the gate scan
+  static_assert(sizeof(__half) * kKeys * kGhStride <= sizeof(float) * L::kGStage,
+                "a stage of float16 gates must fit in the float32 one");
   extern __shared__ __align__(128) unsigned char block_smem[];
   // This thread's group (0: the upper tiles of the chunk) and its index in the group.
   const int cgroup = static_cast<int>(threadIdx.x) / kThreads;
@@ -275,7 +268,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   float* upper_gate_sum = reinterpret_cast<float*>(block_smem + B::kGateSumOffset);  // [head slot]
   T* Qs = reinterpret_cast<T*>(smem_raw) + L::kQ;
   T* KV = reinterpret_cast<T*>(smem_raw) + L::kKV;
-  auto gate_stage = [&](int stage) { return smem_raw + L::kGateOffset + stage * L::kGateStageBytes; };
+  float* Gs = reinterpret_cast<float*>(smem_raw + L::kGateOffset);
   float* Rs = reinterpret_cast<float*>(smem_raw + L::kROffset);   // [head slot][key], log2 units
   float* Rq = reinterpret_cast<float*>(smem_raw + L::kRqOffset);  // [row], log2 units
 
@@ -341,10 +334,10 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
                                 kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k, tid);
       if constexpr (kHalfGates)
-        load_half_gate_tile<kKeys, L::kGhStride>(reinterpret_cast<__half*>(gate_stage(stage)), gbase,
+        load_half_gate_tile<kKeys>(reinterpret_cast<__half*>(Gs + stage * L::kGStage), gbase,
                                    p.g_row_stride, walk, j0, s.len_k);
       else
-        load_gate_tile<kKeys, L::kGStride>(reinterpret_cast<float*>(gate_stage(stage)), gbase, p.g_row_stride,
+        load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
                                            p.g_head_stride, walk, j0, s.len_k);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
@@ -359,9 +352,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   // Per head slot (slots warp, warp + 4, ...): sum of the gates of the tiles walked so far, i.e.
   // R at the top of the current tile.
-  float carry_slots[kSlotsPerWarp];
+  float carry_slots[kRows / kWarps];
 #pragma unroll
-  for (int c = 0; c < kSlotsPerWarp; ++c) carry_slots[c] = 0.f;
+  for (int c = 0; c < kRows / kWarps; ++c) carry_slots[c] = 0.f;
   uint32_t q_frag[kDimSteps][4];
   float rq[2];
   int slot_of[2];
@@ -388,9 +381,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     const int stage = static_cast<int>(it % kS);
     const int64_t j0 = (top_tile - it) * kKeys;
     // R of the tile's keys for each head slot: one warp per slot, kPerLane keys per lane.
-    const unsigned char* G = gate_stage(stage);
+    const float* G = Gs + stage * L::kGStage;
 #pragma unroll
-    for (int c = 0; c < kSlotsPerWarp; ++c) {
+    for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
       if (slot >= t.nh) break;
       float x[kPerLane], lane_sum = 0.f;
@@ -398,9 +391,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       for (int e = 0; e < kPerLane; ++e) {
         if constexpr (kHalfGates)
           x[e] = __half2float(
-              reinterpret_cast<const __half*>(G)[(kPerLane * lane + e) * L::kGhStride + slot]);
+              reinterpret_cast<const __half*>(G)[(kPerLane * lane + e) * kGhStride + slot]);
         else
-          x[e] = reinterpret_cast<const float*>(G)[slot * L::kGStride + kPerLane * lane + e];
+          x[e] = G[slot * L::kGStride + kPerLane * lane + e];
         lane_sum += x[e];
       }
       const float incl = warp_inclusive_suffix_scan(lane_sum, lane);
@@ -532,7 +525,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   // The upper group's gate sums per head slot: what the lower group's scores all miss.
   if (kGroups == 2 && cgroup == 0 && lane == 0) {
 #pragma unroll
-    for (int c = 0; c < kSlotsPerWarp; ++c)
+    for (int c = 0; c < kRows / kWarps; ++c)
       if (warp + kWarps * c < t.nh) upper_gate_sum[warp + kWarps * c] = carry_slots[c];
   }
   __syncthreads();
@@ -540,7 +533,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     // The chunk's gate total per head (what the combine kernel carries to the chunks below). Two
     // row tiles may share a head: they write the same value.
 #pragma unroll
-    for (int c = 0; c < kSlotsPerWarp; ++c) {
+    for (int c = 0; c < kRows / kWarps; ++c) {
       const int slot = warp + kWarps * c;
       if (slot < t.nh)
         split.gate_total[(blockIdx.y * p.batch + s.batch_index) * p.num_heads + head0 + slot] =
@@ -712,41 +705,36 @@ __global__ void __launch_bounds__(kThreads)
 namespace fox::cuda {
 
 // The kernel with its dynamic shared memory allowed (per device: set at every call).
-template <typename T, typename TG, int kHeadDim, int kGroups, typename R>
+template <typename T, typename TG, int kHeadDim, int kGroups>
 auto decode_kernel_with_smem() {
   using namespace decode;
-  constexpr size_t smem = BlockSmem<kHeadDim, TG, R, kGroups>::kBytes;
-  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups, R>;
+  constexpr size_t smem = BlockSmem<kHeadDim, kGroups>::kBytes;
+  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups>;
   if (smem > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   return kernel;
 }
 
-// Resident single-group blocks per SM of a ring (the split planner fills the GPU with one wave).
-template <typename T, typename TG, int kHeadDim, typename R>
+// Resident single-group blocks per SM (the split planner fills the GPU with one wave of them).
+template <typename T, typename TG, int kHeadDim>
 int decode_blocks_per_sm_of() {
   using namespace decode;
-  auto kernel = decode_kernel_with_smem<T, TG, kHeadDim, 1, R>();
+  auto kernel = decode_kernel_with_smem<T, TG, kHeadDim, 1>();
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads,
-                                                    BlockSmem<kHeadDim, TG, R, 1>::kBytes) !=
-      cudaSuccess)
+                                                    BlockSmem<kHeadDim, 1>::kBytes) != cudaSuccess)
     return 1;
   return blocks > 0 ? blocks : 1;
 }
 
 template <typename T, int kHeadDim>
-int decode_blocks_per_sm(bool half_gates, bool deep_ring) {
-  using decode::DeepRing, decode::ShallowRing;
-  static const int shallow_float = decode_blocks_per_sm_of<T, float, kHeadDim, ShallowRing>();
-  static const int shallow_half = decode_blocks_per_sm_of<T, __half, kHeadDim, ShallowRing>();
-  static const int deep_float = decode_blocks_per_sm_of<T, float, kHeadDim, DeepRing>();
-  static const int deep_half = decode_blocks_per_sm_of<T, __half, kHeadDim, DeepRing>();
-  if (deep_ring) return half_gates ? deep_half : deep_float;
-  return half_gates ? shallow_half : shallow_float;
+int decode_blocks_per_sm(bool half_gates) {
+  static const int with_float = decode_blocks_per_sm_of<T, float, kHeadDim>();
+  static const int with_half = decode_blocks_per_sm_of<T, __half, kHeadDim>();
+  return half_gates ? with_half : with_float;
 }
 
-template <typename T, typename TG, int kHeadDim, int kGroups, typename R>
+template <typename T, typename TG, int kHeadDim, int kGroups>
 void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_partial,
                              float* lse_partial, float* gate_total, cudaStream_t stream) {
   using namespace decode;
@@ -756,9 +744,8 @@ void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_
   if (grid.x == 0 || grid.z == 0) return;
   static const bool keys_fastest = std::getenv("FOX_DECODE_GATES_KEYS_FASTEST") != nullptr;
   DecodeSplit split{num_splits, out_partial, lse_partial, gate_total, !keys_fastest};
-  launch_dependent(decode_kernel_with_smem<T, TG, kHeadDim, kGroups, R>(), grid,
-                   dim3(kThreads * kGroups), BlockSmem<kHeadDim, TG, R, kGroups>::kBytes, stream,
-                   p, split);
+  launch_dependent(decode_kernel_with_smem<T, TG, kHeadDim, kGroups>(), grid,
+                   dim3(kThreads * kGroups), BlockSmem<kHeadDim, kGroups>::kBytes, stream, p, split);
   if (num_splits > 1) {
     const int64_t items = p.batch * p.seqlen_q * p.num_heads;  // one block each
     launch_dependent(decode_combine_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(items)),
@@ -769,16 +756,12 @@ void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_
 template <typename T, typename TG, int kHeadDim>
 void run_decode_forward_planned(const ForwardParams& p, const DecodePlan& plan, float* out_partial,
                                 float* lse_partial, float* gate_total, cudaStream_t stream) {
-  using decode::DeepRing, decode::ShallowRing;
   if (plan.paired)
-    run_decode_forward_with<T, TG, kHeadDim, 2, ShallowRing>(p, plan.num_splits, out_partial,
-                                                             lse_partial, gate_total, stream);
-  else if (plan.deep_ring)
-    run_decode_forward_with<T, TG, kHeadDim, 1, DeepRing>(p, plan.num_splits, out_partial,
-                                                          lse_partial, gate_total, stream);
+    run_decode_forward_with<T, TG, kHeadDim, 2>(p, plan.num_splits, out_partial, lse_partial,
+                                                gate_total, stream);
   else
-    run_decode_forward_with<T, TG, kHeadDim, 1, ShallowRing>(p, plan.num_splits, out_partial,
-                                                             lse_partial, gate_total, stream);
+    run_decode_forward_with<T, TG, kHeadDim, 1>(p, plan.num_splits, out_partial, lse_partial,
+                                                gate_total, stream);
 }
 
 template <typename T, int kHeadDim>

@@ -73,18 +73,15 @@ constexpr int kDecodeMaxSplits = 256;
 // Keys per tile of the decoding kernel: head dim 64 takes 128 keys to move as many bytes per tile
 // (two barriers and a gate scan) as head dim 128 does with 64.
 constexpr int decode_keys_per_tile(int head_dim) { return head_dim <= 64 ? 128 : 64; }
-// The decoding kernel's plan: chunks per row; paired blocks (two groups of warps, each a half of
-// the chunk, merged in the block: decode.cuh) or single ones; the deep ring (two tiles in flight,
-// row tiles of at most kDecodeDeepSlots heads) or the shallow one.
+// The decoding kernel's plan: chunks per row, and paired blocks (two groups of warps, each a half
+// of the chunk, merged in the block: decode.cuh) or single ones.
 struct DecodePlan {
   int num_splits = 1;
   bool paired = false;
-  bool deep_ring = false;
 };
-constexpr int kDecodeDeepSlots = 8;
-// half_gates: log_fgate is float16 (else float32). Resident single blocks per SM of a ring.
+// half_gates: log_fgate is float16 (else float32). Resident single blocks per SM.
 template <typename T, int kHeadDim>
-int decode_blocks_per_sm(bool half_gates, bool deep_ring);
+int decode_blocks_per_sm(bool half_gates);
 template <typename T, int kHeadDim>
 void run_decode_forward(const ForwardParams& p, bool half_gates, const DecodePlan& plan,
                         float* out_partial, float* lse_partial, float* gate_total,
