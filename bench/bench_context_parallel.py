@@ -14,7 +14,10 @@ it, and the part no other kernel overlaps (exposed).
 `--forget LOGF` measures pruning across ranks: every head forgets at the constant rate log f = LOGF
 per token (the forget gate projections' weights zeroed, their biases set to match) and the model
 prunes (log_pruning_tolerance -10), so a rank receives only the pieces its queries can reach
-(`--ab FOX_CP_PRUNE=0`: the all-gather of the whole prefix, side by side).
+(`--ab FOX_CP_PRUNE=0`: the all-gather of the whole prefix, side by side). `--global-heads N`
+keeps N heads a layer global (log f = -1e-5), as trained FoX models have them beside local ones:
+only those heads' K, V and gates travel past the neighbouring piece (`--ab FOX_CP_PRUNE_HEADS=0`:
+every head travels with them, side by side).
 
 `--ab VAR=VALUE` times the steps with that environment switch against the default, interleaved
 step by step in the same processes (FOX_CP_OVERLAP=0: no backward prefetch, an all-reduce in
@@ -51,22 +54,27 @@ def build(args, device):
         c.log_pruning_tolerance = -10.0
     model = fnn.ForgettingTransformerForCausalLM(c).to(device)
     if args.forget is not None:
-        set_forget_rate(model, args.forget)
+        set_forget_rate(model, args.forget, args.global_heads)
     return model, vocab
 
 
-def set_forget_rate(model, log_f):
-    """Every head of every layer forgets at log f = log_f per token, whatever the input: the
-    forget gate projections' weights zeroed, their biases b with logsigmoid(b) = log_f."""
+def set_forget_rate(model, log_f, global_heads=0):
+    """Every head of every layer forgets at log f = log_f per token, whatever the input, but the
+    first `global_heads` of each layer at log f = -1e-5 (they reach the whole sequence): the
+    forget gate projections' weights zeroed, their biases b with logsigmoid(b) = log f."""
     if not log_f < 0:
         raise SystemExit(f"--forget must be a negative log f, got {log_f}")
-    bias = log_f - math.log(-math.expm1(log_f))  # logit of f = exp(log_f)
+    logit = lambda lf: lf - math.log(-math.expm1(lf))  # noqa: E731  (logit of f = exp(lf))
     gates = [(n, p) for n, p in model.named_parameters() if "fgate_proj" in n]
     if not gates:
         raise SystemExit("--forget: the model has no fgate_proj")
     with torch.no_grad():
         for name, p in gates:
-            p.fill_(bias if name.endswith("bias") else 0.0)
+            if not name.endswith("bias"):
+                p.zero_()
+                continue
+            p.fill_(logit(log_f))
+            p[:global_heads] = logit(-1e-5)
 
 
 def step_fn(model, ids, device):
@@ -210,6 +218,9 @@ def main():
     ap.add_argument("--forget", type=float, default=None, metavar="LOGF",
                     help="every head forgets at log f = LOGF per token and the model prunes "
                          "(for pruning across ranks)")
+    ap.add_argument("--global-heads", type=int, default=0, metavar="N",
+                    help="with --forget, the first N heads of each layer forget at log f = -1e-5 "
+                         "(global heads beside local ones)")
     ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
                     help="also time the steps with this environment switch (side by side)")
     args = ap.parse_args()
@@ -228,8 +239,8 @@ def main():
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         precision = "bf16 autocast" if device.type == "cuda" else "float32"
         gates = "" if args.forget is None else \
-            f", every head at log f = {args.forget}, pruning (tolerance -10; MFU counts " \
-            f"unpruned attention: effective)"
+            f", every head at log f = {args.forget} but {args.global_heads} a layer at -1e-5, " \
+            f"pruning (tolerance -10; MFU counts unpruned attention: effective)"
         print(f"# {name} x {world}; FoX (Pro) {'toy' if args.tiny else '125M-class'}, B=1, "
               f"{precision}, fwd+bwd, zigzag layout{gates}")
         print("| processes | T | variant | k tokens/s | MFU per GPU | step ms | peak GiB per rank "

@@ -32,13 +32,16 @@ at 64k-256k on 2 GPUs). (A ring would hide it. It needs the op to take a block o
 an earlier block of keys, with the gate sum between them as an offset; see bench/NOTES.md.)
 
 Pruning across ranks (`_PrunedExchange`): with `adaptive_threshold`, a rank receives only the
-pieces whose gate bias to its queries can reach the threshold, by all_to_all in place of the
-all-gather (prefetched for the backward the same way).
+pieces whose gate bias to its queries can reach the threshold, head by head (a local head's K,
+V and gates stop at the neighbouring piece while a global head of the same layer reaches back
+further), by all_to_all in place of the all-gather (prefetched for the backward the same way).
 
 Switches, read at each call so that one process can time both sides:
 - `FOX_CP_OVERLAP=0`: no backward prefetch, and an all-reduce in place of the reduce-scatter;
 - `FOX_CP_HEAD_GROUPS=G`: G head groups (default 1);
-- `FOX_CP_PRUNE=0`: the all-gather even under pruning.
+- `FOX_CP_PRUNE=0`: the all-gather even under pruning;
+- `FOX_CP_PRUNE_HEADS=0`: pruning across ranks for a layer's heads together (a piece travels with
+  every head once one of them needs it).
 """
 import os
 import weakref
@@ -109,6 +112,12 @@ def _overlap_enabled() -> bool:
 def _prune_across_ranks() -> bool:
     """FOX_CP_PRUNE=0 keeps the all-gather under pruning (read at each call: side by side)."""
     return os.environ.get("FOX_CP_PRUNE", "1") != "0"
+
+
+def _prune_head_by_head() -> bool:
+    """FOX_CP_PRUNE_HEADS=0 plans pruning across ranks for a layer's heads together: a piece
+    travels with every head once one head needs it (side by side)."""
+    return os.environ.get("FOX_CP_PRUNE_HEADS", "1") != "0"
 
 
 def _in_sequence_order(where: "_SequenceLayout", batch: int, needed: int) -> bool:
@@ -383,24 +392,29 @@ def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayou
 
 
 class _PrunedExchange:
-    """Pruning across ranks: which pieces of the sequence each rank needs when the pruning
-    threshold rules out distant ones, and the exchange of only those (all_to_all with uneven
-    splits in place of the all-gather).
+    """Pruning across ranks: which pieces of the sequence each rank needs, head by head, when the
+    pruning threshold rules out distant ones, and the exchange of only those (all_to_all with
+    uneven splits in place of the all-gather).
 
-    Key piece j matters to query piece i > j only if, for some batch row and head, the largest
-    gate bias between them reaches the threshold; that bias is at most the sum of the gate totals
-    of the pieces strictly between them (log f <= 0, so farther pieces only fall further). The
-    totals come from one all-gather of each piece's per-(row, head) sums, so every rank derives
-    the same plan. `first[i]` is the first piece query piece i needs (it needs every one from
-    there to itself); a rank's op calls then start at that piece, as the single-process op
-    skips the tiles before it."""
+    Key piece j matters to query piece i > j for a KV head only if, for some batch row and some
+    query head of its group, the largest gate bias between them reaches the threshold; that bias
+    is at most the sum of the gate totals of the pieces strictly between them (log f <= 0, so
+    farther pieces only fall further). The totals come from one all-gather of each piece's
+    per-(row, head) sums, so every rank derives the same plan. `first[i][g]` is the first piece
+    query piece i needs for KV head g (it needs every one from there to itself): a local head
+    stops at its neighbour while a global head of the same layer reaches back to the start, and
+    only the global head's K, V and gates travel that far. A rank's op calls start, for each set
+    of heads, at that piece, as the single-process op skips the tiles before it."""
 
-    def __init__(self, log_fgate, group, where: "_SequenceLayout", threshold: float):
+    def __init__(self, log_fgate, group, where: "_SequenceLayout", threshold: float,
+                 kv_heads: Optional[int] = None):
         rank, world_size = dist.get_rank(group), len(where.lengths)
         owned = [[i for i, p in enumerate(where.pieces) if p[1] == r] for r in range(world_size)]
         owned = [sorted(ids, key=lambda i: where.pieces[i][2]) for ids in owned]  # local order
         per_rank = max(len(ids) for ids in owned)
         batch, heads = log_fgate.shape[0], log_fgate.shape[2]
+        kv_heads = kv_heads or heads
+        group_size = heads // kv_heads
         # The pieces' totals, and in the last slot the largest gate (the bound needs log f <= 0).
         mine = log_fgate.new_zeros((per_rank + 1, batch, heads), dtype=torch.float64)
         for slot, i in enumerate(owned[rank]):
@@ -413,75 +427,110 @@ class _PrunedExchange:
         positive = float(every[:, per_rank].max()) > 0
         totals = [every[where.pieces[i][1], owned[where.pieces[i][1]].index(i)]
                   for i in range(len(where.pieces))]
+        # first[i][g]: walking down from piece i, a KV head keeps a piece while the largest bias of
+        # any of its query heads (over the batch) to that piece reaches the threshold.
         self.first = []
         for i in range(len(where.pieces)):
-            first, between = i, torch.zeros(batch, heads, dtype=torch.float64)
+            first = [i] * kv_heads
+            between = torch.zeros(batch, heads, dtype=torch.float64)
             for j in range(i - 1, -1, -1):
-                if float(between.max()) < threshold:
+                reach = between.amax(0).view(kv_heads, group_size).amax(1) >= threshold
+                if not bool(reach.any()):
                     break
-                first, between = j, between + totals[j]
+                first = [j if reach[g] else f for g, f in enumerate(first)]
+                between = between + totals[j]
+            if not _prune_head_by_head():
+                first = [min(first)] * kv_heads
             self.first.append(first)
-        needs = [sorted({j for i in owned[r] for j in range(self.first[i], i + 1)} - set(owned[r]))
-                 for r in range(world_size)]
+        # needs[r][j]: the KV heads rank r needs of piece j (a piece it does not own).
+        needs = [{} for _ in range(world_size)]
+        for r in range(world_size):
+            for i in owned[r]:
+                for g, f in enumerate(self.first[i]):
+                    for j in range(f, i):
+                        if where.pieces[j][1] != r:
+                            needs[r].setdefault(j, set()).add(g)
+        needs = [{j: sorted(hs) for j, hs in sorted(n.items())} for n in needs]
         # A positive log f (not a forget gate) voids the bound: then the all-gather, as without
         # pruning across ranks.
-        self.prunes = not positive and any(self.first[i] > 0 for i in range(len(where.pieces)))
+        self.prunes = not positive and any(f > 0 for i, fs in enumerate(self.first) for f in fs)
         # owned[r]: rank r's pieces (indices into where.pieces) in local order, as where.mine
         self.where, self.group, self.rank, self.owned = where, group, rank, owned
-        # Pieces this rank sends to each rank, and receives from each, in sequence order.
-        self.send = [[j for j in needs[r] if where.pieces[j][1] == rank]
+        self.kv_heads, self.group_size = kv_heads, group_size
+        # Pieces (with their KV heads) this rank sends to each rank, and receives from each, in
+        # sequence order.
+        self.send = [[(j, hs) for j, hs in needs[r].items() if where.pieces[j][1] == rank]
                      for r in range(world_size)]
-        self.receive = [[j for j in needs[rank] if where.pieces[j][1] == o]
+        self.receive = [[(j, hs) for j, hs in needs[rank].items() if where.pieces[j][1] == o]
                         for o in range(world_size)]
-        self.sent_rows = sum(where.pieces[j][3] for ids in self.send for j in ids)
+        # What this rank sends: rows of any head, and rows x KV heads.
+        self.sent_rows = sum(where.pieces[j][3] for parts in self.send for j, _ in parts)
+        self.sent_head_rows = sum(where.pieces[j][3] * len(hs) for parts in self.send
+                                  for j, hs in parts)
 
-    def _rows(self, ids):
-        return sum(self.where.pieces[j][3] for j in ids)
+    def heads_of(self, slot, kv_heads):
+        """Indices along dim 2 of tensor `slot` (0, 1: K, V; 2: the gates, one per query head) for
+        the given KV heads."""
+        if slot < 2:
+            return list(kv_heads)
+        return [g * self.group_size + h for g in kv_heads for h in range(self.group_size)]
 
     def _local(self, t, j):
         """Piece j's rows of its owner's local tensor t (B, T_r, ...)."""
         _, _, offset, n = self.where.pieces[j]
         return t[:, offset:offset + n]
 
-    def _all_to_all(self, parts_to, parts_from_sizes, like):
-        """Starts sending parts_to[r], the (B, n, ...) tensors for rank r; returns the work and
-        the buffer of the rows received, rank after rank, as (rows, B, ...) (the exchange runs
-        along dim 0: rows first)."""
-        inner = tuple(like.shape[2:])
-        flat = [t.movedim(1, 0) for parts in parts_to for t in parts]
+    def _all_to_all(self, parts_to, rows_from, like):
+        """Starts sending parts_to[r], the (B, n, h, ...) tensors for rank r, each as n * h rows
+        (row-major over its positions, then heads); returns the work and the buffer of the rows
+        received, rank after rank, as (rows, B, ...) (the exchange runs along dim 0)."""
+        inner = tuple(like.shape[3:])
+        flat = [t.permute(1, 2, 0, *range(3, t.dim())).reshape((-1, like.shape[0]) + inner)
+                for parts in parts_to for t in parts]
         send = (torch.cat(flat, 0) if flat else like.new_empty((0, like.shape[0]) + inner))
-        received = like.new_empty((sum(parts_from_sizes), like.shape[0]) + inner)
-        work = dist.all_to_all_single(received, send.contiguous(), parts_from_sizes,
-                                      [sum(t.shape[1] for t in parts) for parts in parts_to],
+        received = like.new_empty((sum(rows_from), like.shape[0]) + inner)
+        work = dist.all_to_all_single(received, send.contiguous(), rows_from,
+                                      [sum(t.shape[1] * t.shape[2] for t in parts)
+                                       for parts in parts_to],
                                       group=self.group, async_op=True)
         return work, received
 
+    def _unpack(self, received, items, slot):
+        """received (rows, B, ...) -> [(B, n, h, ...) of each (piece, KV heads) of items]."""
+        sizes = [self.where.pieces[j][3] * len(self.heads_of(slot, hs)) for j, hs in items]
+        out = []
+        for (j, hs), part in zip(items, torch.split(received, sizes, 0)):
+            n, h = self.where.pieces[j][3], len(self.heads_of(slot, hs))
+            part = part.reshape((n, h) + tuple(part.shape[1:]))
+            out.append(part.permute(2, 0, 1, *range(3, part.dim())))
+        return out
+
+    def _rows_of(self, items, slot):
+        return sum(self.where.pieces[j][3] * len(self.heads_of(slot, hs)) for j, hs in items)
+
     def exchange(self, tensors) -> "_PendingExchange":
-        """Starts sending every rank the pieces of `tensors` (this rank's K, V, gates) it needs;
-        `pieces()` of the result waits for them."""
+        """Starts sending every rank the pieces of `tensors` (this rank's K, V, gates) it needs,
+        for the heads it needs them; `pieces()` of the result waits for them."""
         return _PendingExchange(self, tensors)
 
-    def return_to_owners(self, grads, local_lengths):
-        """The transpose of `exchange`: grads {piece: [gradient of each tensor]} summed into
-        each owner's local tensors (this rank's own gradients first, then every other rank's in
-        rank order)."""
-        where = self.where
-        sizes = [self._rows(ids) for ids in self.send]
-        senders = [j for ids in self.send for j in ids]  # the pieces whose gradients come back
+    def return_to_owners(self, grads, local_shapes):
+        """The transpose of `exchange`: grads {piece: (KV heads, [gradient of each tensor for
+        those heads])} summed into each owner's local tensors (this rank's own gradients first,
+        then every other rank's in rank order)."""
         out = []
-        for slot, length in enumerate(local_lengths):
-            like = next(g[slot] for g in grads.values())
-            to = [[grads[j][slot] for j in ids] for ids in self.receive]
-            work, received = self._all_to_all(to, sizes, like)
-            total = like.new_zeros((like.shape[0], length) + tuple(like.shape[2:]))
+        for slot, shape in enumerate(local_shapes):
+            like = next(g[slot] for _, g in grads.values())
+            to = [[grads[j][1][slot] for j, _ in items] for items in self.receive]
+            work, received = self._all_to_all(to, [self._rows_of(items, slot)
+                                                   for items in self.send], like)
+            total = like.new_zeros(shape)
             for i in self.owned[self.rank]:
                 if i in grads:
-                    self._local(total, i).add_(grads[i][slot])
+                    self._local(total, i).add_(grads[i][1][slot])
             work.wait()
-            received = torch.split(received.movedim(0, 1), [where.pieces[j][3] for j in senders],
-                                   1)
-            for j, part in zip(senders, received):
-                self._local(total, j).add_(part)
+            senders = [item for items in self.send for item in items]
+            for (j, hs), part in zip(senders, self._unpack(received, senders, slot)):
+                self._local(total, j)[:, :, self.heads_of(slot, hs)] += part
             out.append(total)
         return out
 
@@ -492,43 +541,71 @@ class _PendingExchange:
 
     def __init__(self, plan: _PrunedExchange, tensors):
         self.plan, self.tensors = plan, tensors
-        self.order = [j for ids in plan.receive for j in ids]
-        sizes = [plan._rows(ids) for ids in plan.receive]
-        self.flights = [plan._all_to_all([[plan._local(t, j) for j in ids] for ids in plan.send],
-                                         sizes, t)
-                        for t in tensors]
+        self.flights = [plan._all_to_all([[plan._local(t, j)[:, :, plan.heads_of(slot, hs)]
+                                           for j, hs in items] for items in plan.send],
+                                         [plan._rows_of(items, slot) for items in plan.receive],
+                                         t)
+                        for slot, t in enumerate(tensors)]
 
     def pieces(self):
-        """{piece index: [its rows of each tensor]} for every piece this rank needs or owns."""
-        plan, where = self.plan, self.plan.where
-        pieces = {i: [plan._local(t, i) for t in self.tensors] for i in plan.owned[plan.rank]}
+        """{piece: (KV heads, [its rows of each tensor for those heads])} for every piece this
+        rank needs or owns (an owned piece with every head)."""
+        plan = self.plan
+        every = list(range(plan.kv_heads))
+        pieces = {i: (every, [plan._local(t, i) for t in self.tensors])
+                  for i in plan.owned[plan.rank]}
+        order = [item for items in plan.receive for item in items]
         for slot, (work, received) in enumerate(self.flights):
             work.wait()
-            rows = torch.split(received.movedim(0, 1), [where.pieces[j][3] for j in self.order],
-                               1)
-            for j, part in zip(self.order, rows):
-                pieces.setdefault(j, [None] * len(self.tensors))[slot] = part
+            for (j, hs), part in zip(order, plan._unpack(received, order, slot)):
+                pieces.setdefault(j, (hs, [None] * len(self.tensors)))[1][slot] = part
         self.flights = self.tensors = None
         return pieces
 
 
+def _head_sets(first):
+    """The KV heads of a query piece grouped by the first piece they need: [(first, heads)]."""
+    sets = {}
+    for g, f in enumerate(first):
+        sets.setdefault(f, []).append(g)
+    return sorted(sets.items())
+
+
+def _heads(t, index):
+    """t[:, :, index], or t itself (a view, no copy) when index is every head in order."""
+    return t if index == list(range(t.shape[2])) else t[:, :, index]
+
+
+def _piece_heads(plan, pieces, j, slot, heads):
+    """Piece j's rows of tensor `slot` for the given KV heads (a subset of the heads it holds)."""
+    held, parts = pieces[j]
+    return _heads(parts[slot], plan.heads_of(slot, [held.index(g) for g in heads]))
+
+
 class _PrunedAttention(torch.autograd.Function):
-    """_GatheredAttention under pruning across ranks: each query piece attends from the first
-    piece its plan needs, and only the pieces some rank needs are exchanged."""
+    """_GatheredAttention under pruning across ranks: each query piece attends, for each set of
+    KV heads, from the first piece that set needs, and only the pieces (and heads) some rank
+    needs are exchanged."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_fgate, plan: _PrunedExchange, sm_scale, adaptive_threshold,
                 entry):
         pieces = plan.exchange((k, v, log_fgate)).pieces()
-        outs, lses = [], []
+        out = torch.empty_like(q)
+        lses = []
         for (_, offset, n), i in zip(plan.where.mine, plan.owned[plan.rank]):
-            keys = [torch.cat([pieces[j][slot] for j in range(plan.first[i], i + 1)], 1)
-                    for slot in range(3)]
-            out, lse = torch.ops.fox.forgetting_attention_fwd(
-                q[:, offset:offset + n], *keys, None, None, sm_scale, adaptive_threshold, None)
-            outs.append(out)
-            lses.append(lse)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+            for f, heads in _head_sets(plan.first[i]):
+                qh = plan.heads_of(2, heads)  # the query heads of these KV heads
+                keys = [torch.cat([_piece_heads(plan, pieces, j, slot, heads)
+                                   for j in range(f, i + 1)], 1) for slot in range(3)]
+                o, lse = torch.ops.fox.forgetting_attention_fwd(
+                    _heads(q[:, offset:offset + n], qh), *keys, None, None, sm_scale,
+                    adaptive_threshold, None)
+                if len(qh) == q.shape[2]:
+                    out[:, offset:offset + n] = o
+                else:
+                    out[:, offset:offset + n, qh] = o
+                lses.append(lse)
         ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
         ctx.plan, ctx.sm_scale, ctx.adaptive_threshold = plan, sm_scale, adaptive_threshold
         ctx.entry = entry
@@ -543,23 +620,43 @@ class _PrunedAttention(torch.autograd.Function):
             pending = plan.exchange((k, v, log_fgate))
         pieces = pending.pieces()
         dq = torch.empty_like(q)
-        grads = {}  # piece -> [dK, dV, dlog_fgate] of that piece, summed over this rank's queries
-        for (_, offset, n), i, lse in zip(plan.where.mine, plan.owned[plan.rank], lses):
-            span = list(range(plan.first[i], i + 1))
-            keys = [torch.cat([pieces[j][slot] for j in span], 1) for slot in range(3)]
-            dq_i, *d = torch.ops.fox.forgetting_attention_bwd(
-                grad[:, offset:offset + n].contiguous(), q[:, offset:offset + n], *keys,
-                out[:, offset:offset + n], lse, None, None, ctx.sm_scale, ctx.adaptive_threshold,
-                None)
-            dq[:, offset:offset + n] = dq_i
-            d[2] = d[2].to(log_fgate.dtype)
-            for j, parts in zip(span, zip(*(torch.split(t, [plan.where.pieces[j][3]
-                                                            for j in span], 1) for t in d))):
-                if j in grads:
-                    grads[j] = [a + b for a, b in zip(grads[j], parts)]
+        # piece -> (its KV heads here, [dK, dV, dlog_fgate] for them), summed over this rank's
+        # queries
+        grads = {}
+        lse_of = iter(lses)
+        for (_, offset, n), i in zip(plan.where.mine, plan.owned[plan.rank]):
+            for f, heads in _head_sets(plan.first[i]):
+                qh = plan.heads_of(2, heads)
+                span = list(range(f, i + 1))
+                keys = [torch.cat([_piece_heads(plan, pieces, j, slot, heads) for j in span], 1)
+                        for slot in range(3)]
+                rows = slice(offset, offset + n)
+                dq_i, *d = torch.ops.fox.forgetting_attention_bwd(
+                    _heads(grad[:, rows], qh).contiguous(), _heads(q[:, rows], qh), *keys,
+                    _heads(out[:, rows], qh), next(lse_of), None, None, ctx.sm_scale,
+                    ctx.adaptive_threshold, None)
+                if len(qh) == q.shape[2]:
+                    dq[:, rows] = dq_i
                 else:
-                    grads[j] = list(parts)
-        dk, dv, dg = plan.return_to_owners(grads, [k.shape[1], v.shape[1], log_fgate.shape[1]])
+                    dq[:, rows, qh] = dq_i
+                d[2] = d[2].to(log_fgate.dtype)
+                for j, parts in zip(span, zip(*(torch.split(t, [plan.where.pieces[j][3]
+                                                                for j in span], 1) for t in d))):
+                    held = pieces[j][0]
+                    if j not in grads and heads == held:
+                        grads[j] = (held, list(parts))
+                        continue
+                    if j not in grads:
+                        grads[j] = (held, [t.new_zeros(t.shape[:2] + (len(plan.heads_of(s, held)),)
+                                                       + t.shape[3:])
+                                           for s, t in enumerate(parts)])
+                    for slot, part in enumerate(parts):
+                        index = plan.heads_of(slot, [held.index(g) for g in heads])
+                        if index == list(range(grads[j][1][slot].shape[2])):
+                            grads[j][1][slot] = grads[j][1][slot] + part
+                        else:
+                            grads[j][1][slot][:, :, index] += part
+        dk, dv, dg = plan.return_to_owners(grads, [k.shape, v.shape, log_fgate.shape])
         _prefetch_previous(entry)
         return dq, dk, dv, dg, None, None, None, None
 
@@ -578,7 +675,7 @@ def _attend(q, k, v, log_fgate, group, where: _SequenceLayout, sm_scale, adaptiv
     linked = chain is not None and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, log_fgate))
     if adaptive_threshold is not None and _prune_across_ranks():
-        plan = _PrunedExchange(log_fgate.detach(), group, where, adaptive_threshold)
+        plan = _PrunedExchange(log_fgate.detach(), group, where, adaptive_threshold, k.shape[2])
         if plan.prunes:
             entry = chain.link((k, v, log_fgate), lambda *kvg: plan.exchange(kvg)) if linked \
                 else None

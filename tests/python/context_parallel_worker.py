@@ -13,7 +13,9 @@ from forgetting_transformer.distributed import context_parallel_attention, zigza
 
 
 def full_inputs(lengths, heads, kv_heads, head_dim, dtype, seed, device, gate_bias=2.0):
+    """gate_bias: one value for every head, or one a head (fast and slow forgetting heads)."""
     g = torch.Generator().manual_seed(seed)
+    gate_bias = torch.tensor(gate_bias, dtype=torch.float32)
     T = sum(lengths)
     q = torch.randn(2, T, heads, head_dim, generator=g)
     k = torch.randn(2, T, kv_heads, head_dim, generator=g)
@@ -34,17 +36,18 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
     ap.add_argument("--threshold", type=float, default=None, help="adaptive_threshold")
-    ap.add_argument("--gate-bias", type=float, default=2.0,
-                    help="log f = logsigmoid(N(0,1) + this)")
+    ap.add_argument("--gate-bias", type=float, nargs="+", default=[2.0],
+                    help="log f = logsigmoid(N(0,1) + this): one value, or one a head")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
-    # Rows each pruning plan sends (the saved file reports them).
-    sent_rows = []
+    # Rows (and rows x KV heads) each pruning plan sends (the saved file reports them).
+    sent_rows, sent_head_rows = [], []
     plain_init = distributed._PrunedExchange.__init__
 
     def recorded_init(plan, *a, **kw):
         plain_init(plan, *a, **kw)
         sent_rows.append(plan.sent_rows if plan.prunes else None)
+        sent_head_rows.append(plan.sent_head_rows if plan.prunes else None)
     distributed._PrunedExchange.__init__ = recorded_init
     cuda = torch.cuda.is_available() and os.environ.get("FOX_TEST_BACKEND") == "nccl"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -56,7 +59,8 @@ def main():
         dtype = getattr(torch, name)
         q, k, v, lf, grad_out = full_inputs(args.lengths, args.heads, args.kv_heads,
                                             args.head_dim, dtype, args.seed, device,
-                                            args.gate_bias)
+                                            args.gate_bias if len(args.gate_bias) > 1
+                                            else args.gate_bias[0])
         if args.layout == "zigzag":  # --lengths: the whole sequence's length only
             part = lambda t: zigzag_shard(t, rank, dist.get_world_size())  # noqa: E731
         else:
@@ -71,7 +75,8 @@ def main():
         out.backward(part(grad_out))
         local = sum(t.numel() * t.element_size() for t in mine + [out])
         torch.save({"out": out.detach().cpu(), "grads": [t.grad.cpu() for t in mine],
-                    "saved_bytes": sum(saved), "local_bytes": local, "sent_rows": sent_rows},
+                    "saved_bytes": sum(saved), "local_bytes": local, "sent_rows": sent_rows,
+                    "sent_head_rows": sent_head_rows},
                    os.path.join(args.out_dir, f"{name}_rank{rank}.pt"))
     dist.destroy_process_group()
 

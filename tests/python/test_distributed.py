@@ -39,7 +39,8 @@ def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, ranks=None
             "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER),
             "--lengths", *map(str, lengths), "--dtype", *dtypes, "--out-dir", str(tmp_path)]
     for key, value in opts.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        args += [f"--{key.replace('_', '-')}", *map(str, values)]
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + "\n" + r.stderr[-3000:]
     results = {}
@@ -53,6 +54,7 @@ def run_ranks(tmp_path, lengths, dtypes=("float64",), env_extra=None, ranks=None
             lse_bound = p["out"].shape[0] * p["out"].shape[1] * p["out"].shape[2] * 8
             assert 0 < p["saved_bytes"] <= p["local_bytes"] + lse_bound, (name, p["saved_bytes"])
         results.setdefault("sent_rows", {})[name] = [p["sent_rows"] for p in parts]
+        results.setdefault("sent_head_rows", {})[name] = [p["sent_head_rows"] for p in parts]
     return results
 
 
@@ -167,6 +169,39 @@ def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
     assert plain["sent_rows"]["float64"] == [[] for _ in range(ranks)]
 
 
+@pytest.mark.parametrize("ranks,lengths,layout,heads,kv_heads,gate_bias", [
+    # 4 KV heads: 0 and 2 forget fast (log f ~ -3), 1 and 3 slowly (~ -0.1): only the slow ones
+    # travel past the neighbouring piece.
+    (4, [20, 20, 20, 20], "contiguous", 4, 4, [-3.0, 2.0, -3.0, 2.0]),
+    # GQA, 2 query heads a KV head: KV head 0's heads both fast; KV head 1 has one slow head,
+    # which keeps the whole group.
+    (3, [60], "zigzag", 4, 2, [-3.0, -3.0, -3.0, 2.0]),
+])
+def test_pruning_across_ranks_head_by_head(tmp_path, ranks, lengths, layout, heads, kv_heads,
+                                           gate_bias):
+    """A layer whose heads forget at different rates: each KV head's K, V and gates travel only
+    as far back as that head (or a query head of its group) can reach the threshold. Same result
+    as the single-process op (float64 to rounding, bf16 by the 2x rule); fewer rows x heads
+    travel than whole rows of every head would."""
+    opts = dict(threshold=-15.0, gate_bias=gate_bias, layout=layout, heads=heads,
+                kv_heads=kv_heads)
+    total = sum(lengths)
+    results = run_ranks(tmp_path, lengths, ("float64", "bfloat16"), ranks=ranks, **opts)
+    shape = dict(heads=heads, kv_heads=kv_heads, gate_bias=gate_bias, threshold=-15.0)
+    ref_out, ref_grads = single_process([total], torch.float64, **shape)
+    got = results["float64"]
+    for name, a, b in zip(NAMES, [got[0]] + got[1], [ref_out] + ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    check_bfloat16([total], *results["bfloat16"], **shape)
+    rows = [r[0] for r in results["sent_rows"]["float64"]]
+    head_rows = [r[0] for r in results["sent_head_rows"]["float64"]]
+    assert None not in rows and None not in head_rows, (rows, head_rows)
+    # the slow heads reach further than the neighbouring piece: more rows than the fast
+    # heads alone need, but fewer rows x heads than sending every head of them
+    assert sum(head_rows) < kv_heads * sum(rows), (rows, head_rows)
+    assert sum(rows) < (ranks - 1) * total
+
+
 def run_in_group_of_one(code):
     """Runs `code` in a fresh Python process inside a gloo process group of one (`torch` and
     `dist` imported); it passes by reaching its end."""
@@ -190,13 +225,13 @@ from forgetting_transformer import distributed
 g = torch.full((1, 20, 2), -3.0)
 where = distributed._layout(20, None, g.device, "zigzag", "test")
 plan = distributed._PrunedExchange(g, None, where, -15.0)
-assert not plan.prunes and plan.first == [0, 0], plan.first  # adjacent chunks: always needed
+assert not plan.prunes and plan.first == [[0, 0], [0, 0]], plan.first  # adjacent: always
 g3 = torch.full((1, 30, 2), -3.0)
 where3 = distributed._layout(30, None, g3.device, "contiguous", "test")
 where3.pieces = [(0, 0, 0, 10), (10, 0, 10, 10), (20, 0, 20, 10)]  # three pieces on one rank
 where3.mine = [(0, 0, 10), (10, 10, 10), (20, 20, 10)]
 plan = distributed._PrunedExchange(g3, None, where3, -15.0)
-assert plan.prunes and plan.first == [0, 0, 1], plan.first  # piece 2 skips piece 0
+assert plan.prunes and plan.first == [[0, 0], [0, 0], [1, 1]], plan.first  # 2 skips 0
 g3[0, 5, 1] = 0.5
 plan = distributed._PrunedExchange(g3, None, where3, -15.0)
 assert not plan.prunes
