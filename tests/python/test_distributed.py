@@ -248,12 +248,18 @@ def test_zigzag_shard_round_trip():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_two_gpus_nccl(tmp_path, layout):
+@pytest.mark.parametrize("layout,pruning", [("contiguous", False), ("zigzag", False),
+                                            ("zigzag", True)])
+def test_two_gpus_nccl(tmp_path, layout, pruning):
+    # pruning: pruning across ranks head by head (KV head 0's heads forget fast, KV head 1 keeps
+    # one slow head): the all_to_all of uneven, per-head parts over nccl
     lengths = [256, 200] if layout == "contiguous" else [456]
-    out, grads = run_ranks(tmp_path, lengths, ("bfloat16",), {"FOX_TEST_BACKEND": "nccl"},
-                           ranks=2, kv_heads=2, head_dim=64, layout=layout)["bfloat16"]
-    check_bfloat16([456], out, grads, kv_heads=2, head_dim=64)
+    extra = dict(threshold=-15.0, gate_bias=[-3.0, -3.0, -3.0, 2.0]) if pruning else {}
+    results = run_ranks(tmp_path, lengths, ("bfloat16",), {"FOX_TEST_BACKEND": "nccl"},
+                        ranks=2, kv_heads=2, head_dim=64, layout=layout, **extra)
+    check_bfloat16([456], *results["bfloat16"], kv_heads=2, head_dim=64, **extra)
+    if pruning:
+        assert all(r[0] is not None for r in results["sent_rows"]["bfloat16"])
 
 
 def test_bad_layouts_are_clear_errors():
