@@ -16,8 +16,8 @@ per token (the forget gate projections' weights zeroed, their biases set to matc
 prunes (log_pruning_tolerance -10), so a rank receives only the pieces its queries can reach
 (`--ab FOX_CP_PRUNE=0`: the all-gather of the whole prefix, side by side). `--global-heads N`
 keeps N heads a layer global (log f = -1e-5), as trained FoX models have them beside local ones:
-only those heads' K, V and gates travel past the neighbouring piece (`--ab FOX_CP_PRUNE_HEADS=0`:
-every head travels with them, side by side).
+with `--ab FOX_CP_PRUNE_HEADS=1` only those heads' K, V and gates travel past the neighbouring
+piece (head by head, side by side with the default, where every head travels with them).
 
 `--ab VAR=VALUE` times the steps with that environment switch against the default, interleaved
 step by step in the same processes (FOX_CP_OVERLAP=0: no backward prefetch, an all-reduce in

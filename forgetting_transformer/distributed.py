@@ -32,16 +32,17 @@ at 64k-256k on 2 GPUs). (A ring would hide it. It needs the op to take a block o
 an earlier block of keys, with the gate sum between them as an offset; see bench/NOTES.md.)
 
 Pruning across ranks (`_PrunedExchange`): with `adaptive_threshold`, a rank receives only the
-pieces whose gate bias to its queries can reach the threshold, head by head (a local head's K,
-V and gates stop at the neighbouring piece while a global head of the same layer reaches back
-further), by all_to_all in place of the all-gather (prefetched for the backward the same way).
+pieces whose gate bias to its queries can reach the threshold (for any head of the layer; head by
+head as an option), by all_to_all in place of the all-gather (prefetched for the backward the
+same way).
 
 Switches, read at each call so that one process can time both sides:
 - `FOX_CP_OVERLAP=0`: no backward prefetch, and an all-reduce in place of the reduce-scatter;
 - `FOX_CP_HEAD_GROUPS=G`: G head groups (default 1);
 - `FOX_CP_PRUNE=0`: the all-gather even under pruning;
-- `FOX_CP_PRUNE_HEADS=0`: pruning across ranks for a layer's heads together (a piece travels with
-  every head once one of them needs it).
+- `FOX_CP_PRUNE_HEADS=1`: pruning across ranks head by head (a local head's K, V and gates stop at
+  the neighbouring piece while a global head's travel further): fewer bytes, an op call per set
+  of heads; measured slower on 2 GPUs over NVLink.
 """
 import os
 import weakref
@@ -115,9 +116,10 @@ def _prune_across_ranks() -> bool:
 
 
 def _prune_head_by_head() -> bool:
-    """FOX_CP_PRUNE_HEADS=0 plans pruning across ranks for a layer's heads together: a piece
-    travels with every head once one head needs it (side by side)."""
-    return os.environ.get("FOX_CP_PRUNE_HEADS", "1") != "0"
+    """FOX_CP_PRUNE_HEADS=1 plans pruning across ranks head by head (read at each call: side by
+    side). Off by default: it sends fewer bytes but runs an op call per set of heads with the
+    copies of their rows, and measured slower on 2 GPUs over NVLink (bench/NOTES.md)."""
+    return os.environ.get("FOX_CP_PRUNE_HEADS", "0") == "1"
 
 
 def _in_sequence_order(where: "_SequenceLayout", batch: int, needed: int) -> bool:
@@ -401,10 +403,12 @@ class _PrunedExchange:
     is at most the sum of the gate totals of the pieces strictly between them (log f <= 0, so
     farther pieces only fall further). The totals come from one all-gather of each piece's
     per-(row, head) sums, so every rank derives the same plan. `first[i][g]` is the first piece
-    query piece i needs for KV head g (it needs every one from there to itself): a local head
-    stops at its neighbour while a global head of the same layer reaches back to the start, and
-    only the global head's K, V and gates travel that far. A rank's op calls start, for each set
-    of heads, at that piece, as the single-process op skips the tiles before it."""
+    query piece i needs for KV head g (it needs every one from there to itself). By default a
+    layer's heads share the earliest of theirs (one op call a query piece; a piece travels with
+    every head). Head by head (FOX_CP_PRUNE_HEADS=1), a local head stops at its neighbour while a
+    global head of the same layer reaches back further, and only the global head's K, V and gates
+    travel that far. A rank's op calls start, for each set of heads, at that piece, as the
+    single-process op skips the tiles before it."""
 
     def __init__(self, log_fgate, group, where: "_SequenceLayout", threshold: float,
                  kv_heads: Optional[int] = None):
@@ -530,7 +534,7 @@ class _PrunedExchange:
             work.wait()
             senders = [item for items in self.send for item in items]
             for (j, hs), part in zip(senders, self._unpack(received, senders, slot)):
-                self._local(total, j)[:, :, self.heads_of(slot, hs)] += part
+                self._local(total, j)[:, :, _head_index(self.heads_of(slot, hs))] += part
             out.append(total)
         return out
 
@@ -541,7 +545,7 @@ class _PendingExchange:
 
     def __init__(self, plan: _PrunedExchange, tensors):
         self.plan, self.tensors = plan, tensors
-        self.flights = [plan._all_to_all([[plan._local(t, j)[:, :, plan.heads_of(slot, hs)]
+        self.flights = [plan._all_to_all([[_heads(plan._local(t, j), plan.heads_of(slot, hs))
                                            for j, hs in items] for items in plan.send],
                                          [plan._rows_of(items, slot) for items in plan.receive],
                                          t)
@@ -571,9 +575,17 @@ def _head_sets(first):
     return sorted(sets.items())
 
 
+def _head_index(index):
+    """A list of head indices as a slice where it is a run of consecutive heads: then indexing
+    takes a view (no gather kernel), and an assignment is a plain copy."""
+    if index and index == list(range(index[0], index[0] + len(index))):
+        return slice(index[0], index[0] + len(index))
+    return index
+
+
 def _heads(t, index):
-    """t[:, :, index], or t itself (a view, no copy) when index is every head in order."""
-    return t if index == list(range(t.shape[2])) else t[:, :, index]
+    """t[:, :, index]: a view for consecutive heads."""
+    return t[:, :, _head_index(index)]
 
 
 def _piece_heads(plan, pieces, j, slot, heads):
@@ -601,10 +613,7 @@ class _PrunedAttention(torch.autograd.Function):
                 o, lse = torch.ops.fox.forgetting_attention_fwd(
                     _heads(q[:, offset:offset + n], qh), *keys, None, None, sm_scale,
                     adaptive_threshold, None)
-                if len(qh) == q.shape[2]:
-                    out[:, offset:offset + n] = o
-                else:
-                    out[:, offset:offset + n, qh] = o
+                out[:, offset:offset + n, _head_index(qh)] = o
                 lses.append(lse)
         ctx.save_for_backward(q, k, v, log_fgate, out, *lses)
         ctx.plan, ctx.sm_scale, ctx.adaptive_threshold = plan, sm_scale, adaptive_threshold
@@ -635,10 +644,7 @@ class _PrunedAttention(torch.autograd.Function):
                     _heads(grad[:, rows], qh).contiguous(), _heads(q[:, rows], qh), *keys,
                     _heads(out[:, rows], qh), next(lse_of), None, None, ctx.sm_scale,
                     ctx.adaptive_threshold, None)
-                if len(qh) == q.shape[2]:
-                    dq[:, rows] = dq_i
-                else:
-                    dq[:, rows, qh] = dq_i
+                dq[:, rows, _head_index(qh)] = dq_i
                 d[2] = d[2].to(log_fgate.dtype)
                 for j, parts in zip(span, zip(*(torch.split(t, [plan.where.pieces[j][3]
                                                                 for j in span], 1) for t in d))):
@@ -652,10 +658,7 @@ class _PrunedAttention(torch.autograd.Function):
                                            for s, t in enumerate(parts)])
                     for slot, part in enumerate(parts):
                         index = plan.heads_of(slot, [held.index(g) for g in heads])
-                        if index == list(range(grads[j][1][slot].shape[2])):
-                            grads[j][1][slot] = grads[j][1][slot] + part
-                        else:
-                            grads[j][1][slot][:, :, index] += part
+                        grads[j][1][slot][:, :, _head_index(index)] += part
         dk, dv, dg = plan.return_to_owners(grads, [k.shape, v.shape, log_fgate.shape])
         _prefetch_previous(entry)
         return dq, dk, dv, dg, None, None, None, None

@@ -179,14 +179,15 @@ def test_pruning_across_ranks(tmp_path, ranks, lengths, layout, sent):
 ])
 def test_pruning_across_ranks_head_by_head(tmp_path, ranks, lengths, layout, heads, kv_heads,
                                            gate_bias):
-    """A layer whose heads forget at different rates: each KV head's K, V and gates travel only
-    as far back as that head (or a query head of its group) can reach the threshold. Same result
-    as the single-process op (float64 to rounding, bf16 by the 2x rule); fewer rows x heads
-    travel than whole rows of every head would."""
+    """FOX_CP_PRUNE_HEADS=1, a layer whose heads forget at different rates: each KV head's K, V
+    and gates travel only as far back as that head (or a query head of its group) can reach the
+    threshold. Same result as the single-process op (float64 to rounding, bf16 by the 2x rule);
+    fewer rows x heads travel than whole rows of every head would."""
     opts = dict(threshold=-15.0, gate_bias=gate_bias, layout=layout, heads=heads,
                 kv_heads=kv_heads)
     total = sum(lengths)
-    results = run_ranks(tmp_path, lengths, ("float64", "bfloat16"), ranks=ranks, **opts)
+    results = run_ranks(tmp_path, lengths, ("float64", "bfloat16"), ranks=ranks,
+                        env_extra={"FOX_CP_PRUNE_HEADS": "1"}, **opts)
     shape = dict(heads=heads, kv_heads=kv_heads, gate_bias=gate_bias, threshold=-15.0)
     ref_out, ref_grads = single_process([total], torch.float64, **shape)
     got = results["float64"]
@@ -200,6 +201,13 @@ def test_pruning_across_ranks_head_by_head(tmp_path, ranks, lengths, layout, hea
     # heads alone need, but fewer rows x heads than sending every head of them
     assert sum(head_rows) < kv_heads * sum(rows), (rows, head_rows)
     assert sum(rows) < (ranks - 1) * total
+    # the default plans the layer's heads together: the same result; a slow head keeps every
+    # piece for every head here, so the plan prunes nothing (the all-gather)
+    (tmp_path / "layer").mkdir()
+    layer = run_ranks(tmp_path / "layer", lengths, ranks=ranks, **opts)
+    for name, a, b in zip(NAMES, [layer["float64"][0]] + layer["float64"][1], [ref_out] + ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    assert layer["sent_rows"]["float64"] == [[None]] * ranks
 
 
 def run_in_group_of_one(code):
@@ -255,7 +263,8 @@ def test_two_gpus_nccl(tmp_path, layout, pruning):
     # one slow head): the all_to_all of uneven, per-head parts over nccl
     lengths = [256, 200] if layout == "contiguous" else [456]
     extra = dict(threshold=-15.0, gate_bias=[-3.0, -3.0, -3.0, 2.0]) if pruning else {}
-    results = run_ranks(tmp_path, lengths, ("bfloat16",), {"FOX_TEST_BACKEND": "nccl"},
+    env = {"FOX_TEST_BACKEND": "nccl", "FOX_CP_PRUNE_HEADS": "1"}
+    results = run_ranks(tmp_path, lengths, ("bfloat16",), env,
                         ranks=2, kv_heads=2, head_dim=64, layout=layout, **extra)
     check_bfloat16([456], *results["bfloat16"], kv_heads=2, head_dim=64, **extra)
     if pruning:
