@@ -94,7 +94,7 @@ int decode_paired_override() {
 // device only (never of the lengths in device memory), so a captured CUDA graph replays the same
 // plan.
 //
-// Paired blocks where the unsplit grid gives between half of the SMs and all of them one block and
+// Paired blocks (where they fit an SM) where the unsplit grid gives between half of the SMs and all of them one block and
 // the cache is short: single blocks would need a split to put two groups of warps on an SM, and the
 // split's partial results, combine and second wave cost more than they bring (B=8, 12/12 heads,
 // D=128, 2k keys: 55.6 us single and split, 50.7 us paired and unsplit; H100). A long cache is
@@ -110,7 +110,7 @@ int decode_paired_override() {
 // (no empty blocks); a small cache that cannot fill the GPU gets one tile per chunk, every tile's
 // load in flight at once (latency, not bandwidth, bounds it). FOX_DECODE_SPLITS overrides the
 // chunks (tuning, tests).
-DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm) {
+DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fits) {
   const char* override_env = std::getenv("FOX_DECODE_SPLITS");  // read per call: tests set it
   const int override_splits = override_env ? std::atoi(override_env) : 0;
   const int paired_override = decode_paired_override();
@@ -129,10 +129,9 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm) {
   };
   DecodePlan plan;
   const bool short_cache = p.seqlen_k <= 8192;
-  plan.paired = paired_override == 1
-                    ? base <= sms
-                    : paired_override != 0 && base <= sms &&
-                          (8 * base >= 7 * sms || (short_cache && 2 * base >= sms));
+  plan.paired = paired_fits && base <= sms &&
+                (paired_override == 1 ||
+                 (paired_override != 0 && (8 * base >= 7 * sms || (short_cache && 2 * base >= sms))));
   if (override_splits > 0) {
     plan.num_splits = static_cast<int>(std::min<int64_t>(override_splits, max_splits));
     return plan;
@@ -248,7 +247,9 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     FOX_ELEMENT_SWITCH(type, T, [&] {
       if constexpr (!std::is_same_v<T, float>) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          const DecodePlan plan = plan_decode(p, decode_blocks_per_sm<T, kHeadDim>(half_gates));
+          const DecodePlan plan =
+              plan_decode(p, decode_blocks_per_sm<T, kHeadDim>(half_gates, false),
+                          decode_blocks_per_sm<T, kHeadDim>(half_gates, true) > 0);
           const int64_t splits = plan.num_splits;
           at::Tensor out_partial, lse_partial, gate_total;
           if (splits > 1) {

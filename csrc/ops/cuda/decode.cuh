@@ -715,23 +715,33 @@ auto decode_kernel_with_smem() {
   return kernel;
 }
 
-// Resident single-group blocks per SM (the split planner fills the GPU with one wave of them).
-template <typename T, typename TG, int kHeadDim>
+// Resident blocks per SM of the kernel with kGroups groups: 0 where it does not fit an SM (paired
+// blocks need 2 x 81-93 KB of shared memory: more than an sm_80 block may have).
+template <typename T, typename TG, int kHeadDim, int kGroups>
 int decode_blocks_per_sm_of() {
   using namespace decode;
-  auto kernel = decode_kernel_with_smem<T, TG, kHeadDim, 1>();
+  constexpr size_t smem = BlockSmem<kHeadDim, kGroups>::kBytes;
+  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups>;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads,
-                                                    BlockSmem<kHeadDim, 1>::kBytes) != cudaSuccess)
-    return 1;
-  return blocks > 0 ? blocks : 1;
+  if ((smem > 48 * 1024 &&
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem)) != cudaSuccess) ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads * kGroups, smem) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();  // a form that does not fit is not an error: the plan avoids it
+    return 0;
+  }
+  return blocks;
 }
 
 template <typename T, int kHeadDim>
-int decode_blocks_per_sm(bool half_gates) {
-  static const int with_float = decode_blocks_per_sm_of<T, float, kHeadDim>();
-  static const int with_half = decode_blocks_per_sm_of<T, __half, kHeadDim>();
-  return half_gates ? with_half : with_float;
+int decode_blocks_per_sm(bool half_gates, bool paired) {
+  static const int single_float = std::max(1, decode_blocks_per_sm_of<T, float, kHeadDim, 1>());
+  static const int single_half = std::max(1, decode_blocks_per_sm_of<T, __half, kHeadDim, 1>());
+  static const int paired_float = decode_blocks_per_sm_of<T, float, kHeadDim, 2>();
+  static const int paired_half = decode_blocks_per_sm_of<T, __half, kHeadDim, 2>();
+  if (paired) return half_gates ? paired_half : paired_float;
+  return half_gates ? single_half : single_float;
 }
 
 template <typename T, typename TG, int kHeadDim, int kGroups>

@@ -79,9 +79,10 @@ struct DecodePlan {
   int num_splits = 1;
   bool paired = false;
 };
-// half_gates: log_fgate is float16 (else float32). Resident single blocks per SM.
+// half_gates: log_fgate is float16 (else float32). Resident single (or paired) blocks per SM; 0
+// for paired blocks that do not fit an SM.
 template <typename T, int kHeadDim>
-int decode_blocks_per_sm(bool half_gates);
+int decode_blocks_per_sm(bool half_gates, bool paired);
 template <typename T, int kHeadDim>
 void run_decode_forward(const ForwardParams& p, bool half_gates, const DecodePlan& plan,
                         float* out_partial, float* lse_partial, float* gate_total,

@@ -2,7 +2,7 @@
 #include "../decode.cuh"
 
 namespace fox::cuda {
-template int decode_blocks_per_sm<__half, 64>(bool);
+template int decode_blocks_per_sm<__half, 64>(bool, bool);
 template void run_decode_forward<__half, 64>(const ForwardParams&, bool, const DecodePlan&,
                                            float*, float*, float*, cudaStream_t);
 }  // namespace fox::cuda
