@@ -488,8 +488,9 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   }
   cp_async_wait<0>();
   // The lower group walks at most one tile fewer: it passes as many of its barriers as the upper
-  // group does of its own, so that both reach the block's barriers below with equal counts (the
-  // order in which compute-sanitizer's racecheck places a block's accesses).
+  // group does of its own, so that both reach the block's barriers below with equal counts.
+  // (compute-sanitizer's racecheck reported the merge's reads across groups as races while the
+  // counts differed, and none once they were equal.)
   if constexpr (kGroups == 2)
     for (int64_t it = num_tiles; it < upper_tiles; ++it) {
       group_barrier<kGroups>(cgroup);
