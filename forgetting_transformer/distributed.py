@@ -394,9 +394,9 @@ def _layout(length: int, group, device, layout: str, who: str) -> _SequenceLayou
 
 
 class _PrunedExchange:
-    """Pruning across ranks: which pieces of the sequence each rank needs, head by head, when the
-    pruning threshold rules out distant ones, and the exchange of only those (all_to_all with
-    uneven splits in place of the all-gather).
+    """Pruning across ranks: which pieces of the sequence (and which of their KV heads) each rank
+    needs when the pruning threshold rules out distant ones, and the exchange of only those
+    (all_to_all with uneven splits in place of the all-gather).
 
     Key piece j matters to query piece i > j for a KV head only if, for some batch row and some
     query head of its group, the largest gate bias between them reaches the threshold; that bias
@@ -499,18 +499,22 @@ class _PrunedExchange:
                                       group=self.group, async_op=True)
         return work, received
 
+    def _part_shape(self, j, hs, slot):
+        """(positions, heads) of piece j's part of tensor `slot` for KV heads hs."""
+        return self.where.pieces[j][3], len(self.heads_of(slot, hs))
+
     def _unpack(self, received, items, slot):
         """received (rows, B, ...) -> [(B, n, h, ...) of each (piece, KV heads) of items]."""
-        sizes = [self.where.pieces[j][3] * len(self.heads_of(slot, hs)) for j, hs in items]
+        shapes = [self._part_shape(j, hs, slot) for j, hs in items]
         out = []
-        for (j, hs), part in zip(items, torch.split(received, sizes, 0)):
-            n, h = self.where.pieces[j][3], len(self.heads_of(slot, hs))
+        for (n, h), part in zip(shapes, torch.split(received, [n * h for n, h in shapes], 0)):
             part = part.reshape((n, h) + tuple(part.shape[1:]))
             out.append(part.permute(2, 0, 1, *range(3, part.dim())))
         return out
 
     def _rows_of(self, items, slot):
-        return sum(self.where.pieces[j][3] * len(self.heads_of(slot, hs)) for j, hs in items)
+        """The rows (positions x heads) of items' parts of tensor `slot` in the exchange."""
+        return sum(n * h for n, h in (self._part_shape(j, hs, slot) for j, hs in items))
 
     def exchange(self, tensors) -> "_PendingExchange":
         """Starts sending every rank the pieces of `tensors` (this rank's K, V, gates) it needs,
