@@ -592,10 +592,15 @@ def _heads(t, index):
     return t[:, :, _head_index(index)]
 
 
-def _piece_heads(plan, pieces, j, slot, heads):
-    """Piece j's rows of tensor `slot` for the given KV heads (a subset of the heads it holds)."""
-    held, parts = pieces[j]
-    return _heads(parts[slot], plan.heads_of(slot, [held.index(g) for g in heads]))
+def _held_index(plan, held, heads, slot):
+    """Where the given KV heads lie along dim 2 of tensor `slot` of a piece that holds `held`."""
+    return plan.heads_of(slot, [held.index(g) for g in heads])
+
+
+def _span_keys(plan, pieces, span, heads):
+    """K, V and the gates of the pieces in span, for the given KV heads, in sequence order."""
+    return [torch.cat([_heads(pieces[j][1][slot], _held_index(plan, pieces[j][0], heads, slot))
+                       for j in span], 1) for slot in range(3)]
 
 
 class _PrunedAttention(torch.autograd.Function):
@@ -612,8 +617,7 @@ class _PrunedAttention(torch.autograd.Function):
         for (_, offset, n), i in zip(plan.where.mine, plan.owned[plan.rank]):
             for f, heads in _head_sets(plan.first[i]):
                 qh = plan.heads_of(2, heads)  # the query heads of these KV heads
-                keys = [torch.cat([_piece_heads(plan, pieces, j, slot, heads)
-                                   for j in range(f, i + 1)], 1) for slot in range(3)]
+                keys = _span_keys(plan, pieces, range(f, i + 1), heads)
                 o, lse = torch.ops.fox.forgetting_attention_fwd(
                     _heads(q[:, offset:offset + n], qh), *keys, None, None, sm_scale,
                     adaptive_threshold, None)
@@ -641,8 +645,7 @@ class _PrunedAttention(torch.autograd.Function):
             for f, heads in _head_sets(plan.first[i]):
                 qh = plan.heads_of(2, heads)
                 span = list(range(f, i + 1))
-                keys = [torch.cat([_piece_heads(plan, pieces, j, slot, heads) for j in span], 1)
-                        for slot in range(3)]
+                keys = _span_keys(plan, pieces, span, heads)
                 rows = slice(offset, offset + n)
                 dq_i, *d = torch.ops.fox.forgetting_attention_bwd(
                     _heads(grad[:, rows], qh).contiguous(), _heads(q[:, rows], qh), *keys,
@@ -661,8 +664,8 @@ class _PrunedAttention(torch.autograd.Function):
                                                        + t.shape[3:])
                                            for s, t in enumerate(parts)])
                     for slot, part in enumerate(parts):
-                        index = plan.heads_of(slot, [held.index(g) for g in heads])
-                        grads[j][1][slot][:, :, _head_index(index)] += part
+                        index = _head_index(_held_index(plan, held, heads, slot))
+                        grads[j][1][slot][:, :, index] += part
         dk, dv, dg = plan.return_to_owners(grads, [k.shape, v.shape, log_fgate.shape])
         _prefetch_previous(entry)
         return dq, dk, dv, dg, None, None, None, None

@@ -705,15 +705,14 @@ __global__ void __launch_bounds__(kThreads)
 
 namespace fox::cuda {
 
-// The kernel with its dynamic shared memory allowed (per device: set at every call).
+// Allows the kernel its dynamic shared memory (per device: set at every call); an error where it
+// needs more than a block of this GPU may have.
 template <typename T, typename TG, int kHeadDim, int kGroups>
-auto decode_kernel_with_smem() {
-  using namespace decode;
-  constexpr size_t smem = BlockSmem<kHeadDim, kGroups>::kBytes;
-  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups>;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  return kernel;
+cudaError_t allow_decode_smem() {
+  constexpr size_t smem = decode::BlockSmem<kHeadDim, kGroups>::kBytes;
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(decode::decode_kernel<T, TG, kHeadDim, kGroups>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
 }
 
 // Resident blocks per SM of the kernel with kGroups groups: 0 where it does not fit an SM (paired
@@ -721,14 +720,11 @@ auto decode_kernel_with_smem() {
 template <typename T, typename TG, int kHeadDim, int kGroups>
 int decode_blocks_per_sm_of() {
   using namespace decode;
-  constexpr size_t smem = BlockSmem<kHeadDim, kGroups>::kBytes;
-  auto kernel = decode_kernel<T, TG, kHeadDim, kGroups>;
   int blocks = 0;
-  if ((smem > 48 * 1024 &&
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            static_cast<int>(smem)) != cudaSuccess) ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads * kGroups, smem) !=
-          cudaSuccess) {
+  if (allow_decode_smem<T, TG, kHeadDim, kGroups>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, decode_kernel<T, TG, kHeadDim, kGroups>, kThreads * kGroups,
+          BlockSmem<kHeadDim, kGroups>::kBytes) != cudaSuccess) {
     (void)cudaGetLastError();  // a form that does not fit is not an error: the plan avoids it
     return 0;
   }
@@ -755,7 +751,8 @@ void run_decode_forward_with(const ForwardParams& p, int num_splits, float* out_
   if (grid.x == 0 || grid.z == 0) return;
   static const bool keys_fastest = std::getenv("FOX_DECODE_GATES_KEYS_FASTEST") != nullptr;
   DecodeSplit split{num_splits, out_partial, lse_partial, gate_total, !keys_fastest};
-  launch_dependent(decode_kernel_with_smem<T, TG, kHeadDim, kGroups>(), grid,
+  (void)allow_decode_smem<T, TG, kHeadDim, kGroups>();  // a failure shows in the launch
+  launch_dependent(decode_kernel<T, TG, kHeadDim, kGroups>, grid,
                    dim3(kThreads * kGroups), BlockSmem<kHeadDim, kGroups>::kBytes, stream, p, split);
   if (num_splits > 1) {
     const int64_t items = p.batch * p.seqlen_q * p.num_heads;  // one block each
