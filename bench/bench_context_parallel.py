@@ -226,6 +226,8 @@ def main():
     args = ap.parse_args()
     if args.ab:
         switches.parse(args.ab)  # a malformed switch fails before any process group exists
+    if args.global_heads and args.forget is None:
+        raise SystemExit("--global-heads needs --forget (the rate of the other heads)")
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -238,9 +240,10 @@ def main():
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         precision = "bf16 autocast" if device.type == "cuda" else "float32"
+        kept = f" but {args.global_heads} a layer at -1e-5" if args.global_heads else ""
         gates = "" if args.forget is None else \
-            f", every head at log f = {args.forget} but {args.global_heads} a layer at -1e-5, " \
-            f"pruning (tolerance -10; MFU counts unpruned attention: effective)"
+            f", every head at log f = {args.forget}{kept}, pruning (tolerance -10; MFU counts " \
+            f"unpruned attention: effective)"
         print(f"# {name} x {world}; FoX (Pro) {'toy' if args.tiny else '125M-class'}, B=1, "
               f"{precision}, fwd+bwd, zigzag layout{gates}")
         print("| processes | T | variant | k tokens/s | MFU per GPU | step ms | peak GiB per rank "

@@ -447,8 +447,11 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("extra,switch", [([], "FOX_CP_OVERLAP=0"),
-                                          (["--forget", "-0.05"], "FOX_CP_PRUNE=0")])
+@pytest.mark.parametrize("extra,switch", [
+    ([], "FOX_CP_OVERLAP=0"),
+    (["--forget", "-0.05"], "FOX_CP_PRUNE=0"),
+    (["--forget", "-0.5", "--global-heads", "2"], "FOX_CP_PRUNE_HEADS=1"),
+])
 def test_context_parallel_benchmark_runs(extra, switch):
     """bench/bench_context_parallel.py on 2 CPU processes with its toy model (a smoke test of the
     script that measures the model under context parallelism on GPUs), also in its pruning mode
@@ -466,12 +469,14 @@ def test_context_parallel_benchmark_runs(extra, switch):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "| 2 | 64 | default |" in r.stdout and f"| 2 | 64 | {switch} |" in r.stdout, r.stdout
-    assert ("every head at log f = -0.05" in r.stdout) == bool(extra), r.stdout
+    assert ("every head at log f = -0" in r.stdout) == bool(extra), r.stdout
+    assert ("but 2 a layer at -1e-5" in r.stdout) == ("--global-heads" in extra), r.stdout
 
 
 def test_benchmark_forget_rate():
     """The benchmark's --forget sets every forget gate to the constant log f asked for: the gate
-    projections' weights zero, logsigmoid(bias) = log f."""
+    projections' weights zero, logsigmoid(bias) = log f; --global-heads N keeps the first N heads
+    of each layer at log f = -1e-5."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
     from bench_context_parallel import set_forget_rate
     from context_parallel_model_worker import build
@@ -485,6 +490,13 @@ def test_benchmark_forget_rate():
                                        torch.full_like(p, -0.05), rtol=1e-12, atol=1e-12)
         else:
             assert not p.any(), name
+    set_forget_rate(model, -0.05, global_heads=1)
+    for name, p in gates.items():
+        if name.endswith("bias"):
+            expected = torch.full_like(p, -0.05)
+            expected[0] = -1e-5
+            torch.testing.assert_close(torch.nn.functional.logsigmoid(p), expected, rtol=1e-9,
+                                       atol=1e-12)
 
 
 def test_exposed_communication_time():
