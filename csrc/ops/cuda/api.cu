@@ -5,6 +5,8 @@
 // fp16/bf16: the Hopper ones on sm_90a, the portable mma.sync ones elsewhere) or the generic
 // kernels (any head dim, fp16/bf16/fp32).
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -90,6 +92,27 @@ int decode_paired_override() {
   return v == nullptr || *v == '\0' ? -1 : std::atoi(v);
 }
 
+// Blocks the memory system needs in flight to stream a cache at this GPU's bandwidth (Little's
+// law): bandwidth x a loaded latency of ~2 us over a block's ~32 KB in flight (one K and one V
+// tile). ~200 on an H100 (3.35 TB/s) and more than a wave of two blocks an SM on an H200 (4.8
+// TB/s): measured, an H100 streamed a GQA cache fastest with 192-224 blocks (256: 3-6% slower),
+// an H200 with 256 (192: 10-20% slower).
+int64_t decode_blocks_in_flight() {
+  static std::array<std::atomic<int64_t>, 64> cached{};  // per device; 0 until queried
+  const int device = c10::cuda::current_device();
+  auto& slot = cached[static_cast<size_t>(device) % cached.size()];
+  int64_t blocks = slot.load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int khz = 0, bus_bits = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+    const double bytes_per_s = 2.0 * 1e3 * khz * (bus_bits / 8.0);  // double data rate
+    blocks = std::max<int64_t>(1, static_cast<int64_t>(bytes_per_s * 2e-6 / 32768.0));
+    slot.store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
 // The decoding kernel's plan: chunks per row and block form. A function of the shapes and the
 // device only (never of the lengths in device memory), so a captured CUDA graph replays the same
 // plan.
@@ -103,13 +126,15 @@ int decode_paired_override() {
 // 975 against 996 us, but 12/12 heads 788 against 765; H200). Where fewer blocks face the cache,
 // a split gives two single blocks an SM anyway, and pairing measured the same (within 3%).
 //
-// Otherwise single blocks run in waves of (resident blocks per SM x SMs); a last wave that is
-// mostly empty costs as much as a full one. So, as FlashAttention's split heuristic does, take the
-// fewest chunks whose wave efficiency (blocks / (waves x wave size)) is within 85% of the best.
-// Candidates are whole numbers of key tiles per chunk, so the chunks of the longest row are equal
-// (no empty blocks); a small cache that cannot fill the GPU gets one tile per chunk, every tile's
-// load in flight at once (latency, not bandwidth, bounds it). FOX_DECODE_SPLITS overrides the
-// chunks (tuning, tests).
+// Otherwise single blocks: where the unsplit grid fits one wave (resident blocks per SM x SMs),
+// the most chunks whose blocks stay within one wave and within the blocks the memory system needs
+// in flight (decode_blocks_in_flight), if that comes within 90% of it. Else waves: a last wave
+// that is mostly empty costs as much as a full one, so, as FlashAttention's split heuristic does,
+// the fewest chunks whose wave efficiency (blocks / (waves x wave size)) is within 95% of the
+// best. Candidates are whole numbers of key tiles per chunk, so the chunks of the longest row are
+// equal (no empty blocks), and a chunk has at least 128 keys (two 64-key tiles at D=128: one-tile
+// chunks measured 3-5% slower on 2k caches, their partial results and combine being the larger
+// part there). FOX_DECODE_SPLITS overrides the chunks (tuning, tests).
 DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fits) {
   const char* override_env = std::getenv("FOX_DECODE_SPLITS");  // read per call: tests set it
   const int override_splits = override_env ? std::atoi(override_env) : 0;
@@ -147,14 +172,26 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fi
   // plan below: their time is bandwidth, which a second block per SM raises.
   if (p.seqlen_k <= 2048 && 5 * base >= 4 * sms) return plan;
   const int64_t wave = static_cast<int64_t>(blocks_per_sm) * sms;
+  const int64_t splits_limit =
+      std::min(max_splits, std::max<int64_t>(1, (p.seqlen_k + 127) / 128));  // >= 128 keys a chunk
+  const int64_t in_flight = std::min(wave, decode_blocks_in_flight());
+  if (base <= wave) {  // one wave: as many blocks as the memory system needs in flight
+    int64_t one_wave = 0;
+    for (int64_t s = 1; s <= splits_limit; ++s)
+      if (base * equal_chunks(s) <= in_flight) one_wave = equal_chunks(s);
+    if (one_wave > 0 && 10 * base * one_wave >= 9 * in_flight) {
+      plan.num_splits = static_cast<int>(one_wave);
+      return plan;
+    }
+  }
   auto efficiency = [&](int64_t splits) {
     const int64_t blocks = base * splits, waves = (blocks + wave - 1) / wave;
     return static_cast<double>(blocks) / static_cast<double>(waves * wave);
   };
   double best = 0.0;
-  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(equal_chunks(s)));
-  for (int64_t s = 1; s <= max_splits; ++s)
-    if (efficiency(equal_chunks(s)) >= 0.85 * best) {
+  for (int64_t s = 1; s <= splits_limit; ++s) best = std::max(best, efficiency(equal_chunks(s)));
+  for (int64_t s = 1; s <= splits_limit; ++s)
+    if (efficiency(equal_chunks(s)) >= 0.95 * best) {
       plan.num_splits = static_cast<int>(equal_chunks(s));
       return plan;
     }
