@@ -14,6 +14,8 @@
 #            64k-256k (the same lengths and the same tokens per GPU), the overlap against
 #            FOX_CP_OVERLAP=0 side by side, then 2 and 4 head groups against 1
 # context_parallel_longest  (2 GPUs) the longest sequence that fits on 1 and on 2
+# context_parallel_table  (2 GPUs) the scaling table in one pass: 1 GPU at 32k-512k and 2 at
+#            64k-1M (the same tokens per GPU, and the longest that fits on each), 2 timed steps
 # context_parallel_prune  (2 GPUs) pruning across ranks: every head forgetting fast (log f =
 #            -0.05): one GPU at the same tokens per GPU, the pruned exchange against the
 #            all-gather (FOX_CP_PRUNE=0) and against itself without the prefetch (FOX_CP_OVERLAP=0)
@@ -61,6 +63,12 @@ for stage in "$@"; do
       python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
         --forget -0.05 --seqlen 131072 262144 --ab FOX_CP_OVERLAP=0 2>&1 \
         | tee -a "$OUT/context_parallel_prune.log" ;;
+    context_parallel_table)
+      python3 -m torch.distributed.run --nproc_per_node 1 bench/bench_context_parallel.py \
+        --seqlen 32768 65536 131072 262144 524288 --reps 2 2>&1 | tee -a "$OUT/context_parallel_table.log"
+      python3 -m torch.distributed.run --nproc_per_node 2 bench/bench_context_parallel.py \
+        --seqlen 65536 131072 262144 524288 1048576 --reps 2 2>&1 \
+        | tee -a "$OUT/context_parallel_table.log" ;;
     context_parallel_longest)
       for n in 1 2; do
         python3 -m torch.distributed.run --nproc_per_node $n bench/bench_context_parallel.py \
