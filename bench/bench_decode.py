@@ -38,13 +38,18 @@ def timed_us(fn, flush, reps):
 
 def timed_side_by_side(fns, flush, reps):
     """Median us of each function, the functions interleaved within every repetition (so that a
-    drift of the clocks or of the memory system during the run hits both sides alike)."""
+    drift of the clocks or of the memory system during the run hits both sides alike), and the
+    order rotated from one repetition to the next: a call's time depends on its place in the
+    sequence (the same SDPA call measured 3-6% slower last than first on a 13 us cell), so no
+    side keeps one place."""
     for fn in fns:
         for _ in range(3):
             fn()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, t in zip(fns, times):
+    for rep in range(reps):
+        for i in range(len(fns)):
+            j = (i + rep) % len(fns)
+            fn, t = fns[j], times[j]
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
