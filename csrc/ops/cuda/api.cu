@@ -152,6 +152,14 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fi
     const int64_t tiles_per_chunk = (key_tiles + s - 1) / s;
     return (key_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
   };
+  // The most equal chunks (of at most `splits` candidates) whose grid has at most `blocks` blocks;
+  // 0 where none has.
+  auto most_chunks_within = [&](int64_t blocks, int64_t splits) {
+    int64_t chunks = 0;
+    for (int64_t s = 1; s <= splits; ++s)
+      if (base * equal_chunks(s) <= blocks) chunks = equal_chunks(s);
+    return chunks;
+  };
   DecodePlan plan;
   const bool short_cache = p.seqlen_k <= 8192;
   plan.paired = paired_fits && base <= sms &&
@@ -161,9 +169,8 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fi
     plan.num_splits = static_cast<int>(std::min<int64_t>(override_splits, max_splits));
     return plan;
   }
-  if (plan.paired) {  // one wave of at most SMs paired blocks
-    for (int64_t s = 1; s <= max_splits; ++s)
-      if (base * equal_chunks(s) <= sms) plan.num_splits = static_cast<int>(equal_chunks(s));
+  if (plan.paired) {  // one wave of at most SMs paired blocks (base <= sms: one chunk at least)
+    plan.num_splits = static_cast<int>(most_chunks_within(sms, max_splits));
     return plan;
   }
   // A short cache whose unsplit blocks already give most SMs one: splitting doubles the blocks per
@@ -176,9 +183,7 @@ DecodePlan plan_decode(const ForwardParams& p, int blocks_per_sm, bool paired_fi
       std::min(max_splits, std::max<int64_t>(1, (p.seqlen_k + 127) / 128));  // >= 128 keys a chunk
   const int64_t in_flight = std::min(wave, decode_blocks_in_flight());
   if (base <= wave) {  // one wave: as many blocks as the memory system needs in flight
-    int64_t one_wave = 0;
-    for (int64_t s = 1; s <= splits_limit; ++s)
-      if (base * equal_chunks(s) <= in_flight) one_wave = equal_chunks(s);
+    const int64_t one_wave = most_chunks_within(in_flight, splits_limit);
     if (one_wave > 0 && 10 * base * one_wave >= 9 * in_flight) {
       plan.num_splits = static_cast<int>(one_wave);
       return plan;
