@@ -28,6 +28,9 @@
 // rq_i = -sum_{l=P_i+1..P_last} log f_l (at most 15 terms; every block computes it).
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 
@@ -103,20 +106,23 @@ struct DecodeTile {
 template <int kKeys>
 __device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int num_splits) {
   DecodeTile t;
-  const int64_t group = p.heads_per_kv_head();
-  const int64_t tq = p.seqlen_q;
-  const int64_t seq = blockIdx.z / p.num_kv_heads;
-  t.kv_head = blockIdx.z % p.num_kv_heads;
+  // 32-bit divisions (head counts, queries and key tiles fit): a 64-bit one is a ~70-instruction
+  // routine, and these stand between the block's start and its first loads.
+  const int num_kv_heads = static_cast<int>(p.num_kv_heads);
+  const int group = static_cast<int>(p.num_heads) / num_kv_heads;
+  const int tq = static_cast<int>(p.seqlen_q);
+  const int seq = static_cast<int>(blockIdx.z) / num_kv_heads;
+  t.kv_head = static_cast<int>(blockIdx.z) - seq * num_kv_heads;
   t.s = p.sequence(seq);
-  t.row0 = blockIdx.x * kRows;
-  t.rows = static_cast<int>(min64(kRows, group * tq - t.row0));
-  t.first_head = static_cast<int>(t.row0 / tq);
-  t.nh = static_cast<int>((t.row0 + t.rows - 1) / tq) - t.first_head + 1;
+  t.row0 = static_cast<int>(blockIdx.x) * kRows;
+  t.rows = min(kRows, group * tq - t.row0);
+  t.first_head = t.row0 / tq;
+  t.nh = (t.row0 + t.rows - 1) / tq - t.first_head + 1;
   // This row's key tiles, cut into num_splits chunks.
   const int64_t first_key = max64(0, t.s.first_key), len = t.s.len_k;
   if (first_key >= len) return t;
   const int64_t lo = first_key / kKeys, hi = (len - 1) / kKeys;
-  const int64_t per_split = (hi - lo + num_splits) / num_splits;
+  const int64_t per_split = static_cast<int>(hi - lo + num_splits) / num_splits;
   const int64_t split = blockIdx.y;
   t.tile_lo = lo + split * per_split;
   t.tile_hi = min64(hi, t.tile_lo + per_split - 1);
@@ -280,8 +286,8 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   const int group_id = lane >> 2, quad = lane & 3;
   const DecodeTile t = decode_tile<kKeys>(p, split.num_splits);
   const SequenceView& s = t.s;
-  const int64_t tq = p.seqlen_q;
-  const int64_t group = p.heads_per_kv_head();
+  const int tq = static_cast<int>(p.seqlen_q);  // (32-bit divisions: see decode_tile)
+  const int group = static_cast<int>(p.num_heads) / static_cast<int>(p.num_kv_heads);
   const int64_t head0 = t.kv_head * group + t.first_head;  // query head of head slot 0
   const int64_t p_last = s.len_k - 1;                       // position of the last query
 
@@ -298,7 +304,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
       const int r = idx / kChunks, chunk = idx % kChunks;
       const bool valid = r < t.rows;
-      const int64_t packed = t.row0 + (valid ? r : 0);
+      const int packed = t.row0 + (valid ? r : 0);
       const int64_t h = t.kv_head * group + packed / tq, i = packed % tq;
       const T* src = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride +
                      i * p.q_row_stride + h * p.q_head_stride + chunk * 8;
@@ -308,8 +314,8 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       const int r = tid;
       float rq = 0.f;
       if (r < t.rows) {
-        const int64_t packed = t.row0 + r;
-        const int64_t slot = packed / tq - t.first_head, i = packed % tq;
+        const int packed = t.row0 + r;
+        const int slot = packed / tq - t.first_head, i = packed % tq;
         for (int64_t l = p_last; l > s.query_position(i); --l)
           rq -= to_float(gbase[l * p.g_row_stride + slot * p.g_head_stride]);
       }
@@ -362,8 +368,8 @@ __global__ void __launch_bounds__(kThreads * kGroups)
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int r = group_id + 8 * hi;
-    const int64_t packed = t.row0 + min(r, max(t.rows - 1, 0));
-    slot_of[hi] = static_cast<int>(packed / tq) - t.first_head;
+    const int packed = t.row0 + min(r, max(t.rows - 1, 0));
+    slot_of[hi] = packed / tq - t.first_head;
     pos_of[hi] = r < t.rows ? s.query_position(packed % tq) : -1;  // dead rows see no key
   }
 
@@ -568,7 +574,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   const bool empty = total == 0.f;
   const float inv = empty ? 0.f : 1.f / total;
   const float lse2 = empty ? -INFINITY : base + log2f(total);
-  const int64_t packed = t.row0 + r;
+  const int packed = t.row0 + r;
   const int64_t h = t.kv_head * group + packed / tq, i = packed % tq;
   float acc[kPerThread];
 #pragma unroll
@@ -618,8 +624,10 @@ __global__ void __launch_bounds__(kThreads)
   allow_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t total_rows = p.batch * p.seqlen_q;
-  const int64_t row = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
-  const int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
+  const int num_heads = static_cast<int>(p.num_heads), tq = static_cast<int>(p.seqlen_q);
+  const int item = static_cast<int>(blockIdx.x);  // (32-bit divisions: see decode_tile)
+  const int row = item / num_heads, h = item % num_heads;
+  const int b = row / tq, i = row % tq;
   const int S = split.num_splits;
   // Every warp's first kCombineUnroll chunks are loaded before the weights are known (their loads
   // overlap warp 0's pass over the lse): one round of memory latency fewer on short splits. Every
@@ -705,14 +713,34 @@ __global__ void __launch_bounds__(kThreads)
 
 namespace fox::cuda {
 
-// Allows the kernel its dynamic shared memory (per device: set at every call); an error where it
+// The current device's index into the per-device caches below (-1 where out of their range).
+inline int decode_cache_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+// Allows the kernel its dynamic shared memory, once per device (cudaFuncSetAttribute costs ~2 us
+// of host time: set at every call, it was a few % of an eager decoding step); an error where it
 // needs more than a block of this GPU may have.
 template <typename T, typename TG, int kHeadDim, int kGroups>
 cudaError_t allow_decode_smem() {
   constexpr size_t smem = decode::BlockSmem<kHeadDim, kGroups>::kBytes;
   if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(decode::decode_kernel<T, TG, kHeadDim, kGroups>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  static std::array<std::atomic<int>, 64> result{};  // per device: 0 not yet, else error + 1
+  const int device = decode_cache_device();
+  if (device >= 0) {
+    const int known = result[device].load(std::memory_order_relaxed);
+    if (known != 0) return static_cast<cudaError_t>(known - 1);
+  }
+  const cudaError_t err =
+      cudaFuncSetAttribute(decode::decode_kernel<T, TG, kHeadDim, kGroups>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (device >= 0) result[device].store(static_cast<int>(err) + 1, std::memory_order_relaxed);
+  return err;
 }
 
 // Resident blocks per SM of the kernel with kGroups groups: 0 where it does not fit an SM (paired
@@ -731,14 +759,23 @@ int decode_blocks_per_sm_of() {
   return blocks;
 }
 
+// Per device (a machine may mix GPU models), looked up once.
 template <typename T, int kHeadDim>
 int decode_blocks_per_sm(bool half_gates, bool paired) {
-  static const int single_float = std::max(1, decode_blocks_per_sm_of<T, float, kHeadDim, 1>());
-  static const int single_half = std::max(1, decode_blocks_per_sm_of<T, __half, kHeadDim, 1>());
-  static const int paired_float = decode_blocks_per_sm_of<T, float, kHeadDim, 2>();
-  static const int paired_half = decode_blocks_per_sm_of<T, __half, kHeadDim, 2>();
-  if (paired) return half_gates ? paired_half : paired_float;
-  return half_gates ? single_half : single_float;
+  static std::array<std::array<std::atomic<int>, 4>, 64> cached{};  // per device: blocks + 1
+  const int form = 2 * paired + half_gates;
+  const int device = decode_cache_device();
+  if (device >= 0) {
+    const int known = cached[device][form].load(std::memory_order_relaxed);
+    if (known != 0) return known - 1;
+  }
+  int blocks = paired ? (half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 2>()
+                                    : decode_blocks_per_sm_of<T, float, kHeadDim, 2>())
+                      : (half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 1>()
+                                    : decode_blocks_per_sm_of<T, float, kHeadDim, 1>());
+  if (!paired) blocks = std::max(1, blocks);
+  if (device >= 0) cached[device][form].store(blocks + 1, std::memory_order_relaxed);
+  return blocks;
 }
 
 template <typename T, typename TG, int kHeadDim, int kGroups>
