@@ -130,18 +130,40 @@ __device__ __forceinline__ DecodeTile decode_tile(const ForwardParams& p, int nu
   return t;
 }
 
+// A thread's copies of a K or V tile: the rows row0, row0 + kRowStep, ... of one 16-byte column
+// (kThreads is a multiple of the columns), so a copy's source and destination are the first
+// one's plus a fixed step: a few additions a copy instead of the index arithmetic.
+template <int kHeadDim, int kKeys>
+struct KVTileCopies {
+  static constexpr int kColumns = kHeadDim / 8;
+  static constexpr int kRowStep = kThreads / kColumns;
+  static constexpr int kCopies = kKeys / kRowStep;
+  static_assert(kThreads % kColumns == 0 && kRowStep % 8 == 0,
+                "a thread's rows must share their swizzle (row % 8)");
+  int row0, column;
+  int smem0;  // element offset of the first copy in a tile of shared memory
+  __device__ __forceinline__ explicit KVTileCopies(int tid)
+      : row0(tid / kColumns), column(tid % kColumns), smem0(swizzled<kHeadDim>(row0, column)) {}
+};
+
 template <typename T, int kHeadDim, int kKeys = kKeysOf<kHeadDim>>
 __device__ __forceinline__ void load_kv_tile(T* Ks, T* Vs, const T* k, const T* v, int64_t k_row,
-                                             int64_t v_row, int64_t j0, int64_t len, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
+                                             int64_t v_row, int64_t j0, int64_t len,
+                                             const KVTileCopies<kHeadDim, kKeys>& c) {
+  using C = KVTileCopies<kHeadDim, kKeys>;
+  const int64_t first = j0 + c.row0;
+  const T* ks = k + first * k_row + c.column * 8;
+  const T* vs = v + first * v_row + c.column * 8;
+  const int64_t k_step = C::kRowStep * k_row, v_step = C::kRowStep * v_row;
+  // Rows past the end of the cache are zero-filled from a valid address.
+  const int live = static_cast<int>(
+      min64(C::kCopies, max64(0, (len - first + C::kRowStep - 1) / C::kRowStep)));
 #pragma unroll
-  for (int i = 0; i < kKeys * kChunks / kThreads; ++i) {
-    const int idx = tid + i * kThreads;
-    const int row = idx / kChunks, chunk = idx % kChunks;
-    const bool valid = j0 + row < len;
-    const int64_t j = valid ? j0 + row : 0;
-    cp_async_16(Ks + swizzled<kHeadDim>(row, chunk), k + j * k_row + chunk * 8, valid);
-    cp_async_16(Vs + swizzled<kHeadDim>(row, chunk), v + j * v_row + chunk * 8, valid);
+  for (int i = 0; i < C::kCopies; ++i) {
+    const bool valid = i < live;
+    const int dst = c.smem0 + i * C::kRowStep * kHeadDim;
+    cp_async_16(Ks + dst, valid ? ks + i * k_step : k, valid);
+    cp_async_16(Vs + dst, valid ? vs + i * v_step : v, valid);
   }
 }
 
@@ -260,6 +282,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   using B = BlockSmem<kHeadDim, kGroups>;
   using Mma = MmaTraits<T>;
   constexpr int kS = kStages<kHeadDim>;
+  static_assert(kS >= 2, "the ring has two stages at least");
   constexpr int kDimTiles = kHeadDim / 8;
   constexpr int kDimSteps = kHeadDim / 16;
   constexpr int kKeys = kKeysOf<kHeadDim>, kSteps = kWarpKeySteps<kHeadDim>;
@@ -298,6 +321,24 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   const TG* gbase = static_cast<const TG*>(p.log_fgate) + s.batch_index * p.g_batch_stride +
                        head0 * p.g_head_stride;
 
+  // The group's tiles, walked downwards from `top_tile`: all of the chunk's, or its upper half
+  // (group 0) or lower half (group 1).
+  const int64_t chunk_tiles = max64(0, t.tile_hi - t.tile_lo + 1);  // a row shorter than its chunk: 0
+  const int64_t upper_tiles = kGroups == 1 ? chunk_tiles : (chunk_tiles + 1) / 2;
+  const int64_t num_tiles = cgroup == 0 ? upper_tiles : chunk_tiles - upper_tiles;
+  const int64_t top_tile = t.tile_hi - (cgroup == 0 ? 0 : upper_tiles);
+  const KVTileCopies<kHeadDim, kKeys> kv_copies(tid);
+  auto load_kv = [&](int64_t it) {
+    const int stage = static_cast<int>(it % kS);
+    load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
+                              kbase, vbase, p.k_row_stride, p.v_row_stride,
+                              (top_tile - it) * kKeys, s.len_k, kv_copies);
+  };
+  // The prologue of the ring (the chunk's top kS - 1 tiles) starts with the top tile's K and V: a
+  // short chunk's block is a chain of latencies, and their round trip to memory overlaps the rest of
+  // the prologue (Q, the gates, rq), which lands in the same commit group.
+  if (num_tiles > 0) load_kv(0);
+
   // Q rows (zero past the live rows) and rq of each row.
   {
     constexpr int kChunks = kHeadDim / 8;
@@ -322,34 +363,31 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       Rq[r] = rq * kLog2e;
     }
   }
-  // Prologue of the ring: the chunk's top kS - 1 tiles (walked downwards).
   // float32: one copy a gate; float16: a copy a pair of heads (nh is even there)
   const GateWalk walk = kHalfGates
                             ? gate_walk<kKeys>(1, t.nh / 2, true, tid)
                             : gate_walk<kKeys>(p.g_head_stride, t.nh, split.gates_heads_order, tid);
-  // The group's tiles, walked downwards from `top_tile`: all of the chunk's, or its upper half
-  // (group 0) or lower half (group 1).
-  const int64_t chunk_tiles = max64(0, t.tile_hi - t.tile_lo + 1);  // a row shorter than its chunk: 0
-  const int64_t upper_tiles = kGroups == 1 ? chunk_tiles : (chunk_tiles + 1) / 2;
-  const int64_t num_tiles = cgroup == 0 ? upper_tiles : chunk_tiles - upper_tiles;
-  const int64_t top_tile = t.tile_hi - (cgroup == 0 ? 0 : upper_tiles);
+  auto load_gates = [&](int64_t it) {
+    const int stage = static_cast<int>(it % kS);
+    const int64_t j0 = (top_tile - it) * kKeys;
+    if constexpr (kHalfGates)
+      load_half_gate_tile<kKeys>(reinterpret_cast<__half*>(Gs + stage * L::kGStage), gbase,
+                                 p.g_row_stride, walk, j0, s.len_k);
+    else
+      load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
+                                         p.g_head_stride, walk, j0, s.len_k);
+  };
   auto issue = [&](int64_t it) {
     if (it < num_tiles) {
-      const int stage = static_cast<int>(it % kS);
-      const int64_t j0 = (top_tile - it) * kKeys;
-      load_kv_tile<T, kHeadDim>(KV + 2 * stage * L::kTileElems, KV + (2 * stage + 1) * L::kTileElems,
-                                kbase, vbase, p.k_row_stride, p.v_row_stride, j0, s.len_k, tid);
-      if constexpr (kHalfGates)
-        load_half_gate_tile<kKeys>(reinterpret_cast<__half*>(Gs + stage * L::kGStage), gbase,
-                                   p.g_row_stride, walk, j0, s.len_k);
-      else
-        load_gate_tile<kKeys, L::kGStride>(Gs + stage * L::kGStage, gbase, p.g_row_stride,
-                                           p.g_head_stride, walk, j0, s.len_k);
+      load_kv(it);
+      load_gates(it);
     }
     cp_async_commit();  // (empty groups keep the wait counts uniform)
   };
+  if (num_tiles > 0) load_gates(0);
+  cp_async_commit();
 #pragma unroll
-  for (int it = 0; it < kS - 1; ++it) issue(it);
+  for (int it = 1; it < kS - 1; ++it) issue(it);
 
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   float o[kDimTiles][4];
@@ -519,6 +557,7 @@ __global__ void __launch_bounds__(kThreads * kGroups)
       row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
       row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
       const int r = group_id + 8 * hi;
+      if (r >= t.rows) continue;  // dead rows are never read (a GQA group of 4 fills 4 of 16)
       if (quad == 0) {
         Mm[warp * kRows + r] = row_max[hi];
         Sm[warp * kRows + r] = row_sum[hi];
@@ -548,12 +587,14 @@ __global__ void __launch_bounds__(kThreads * kGroups)
     }
   }
   if (cgroup != 0) return;
-  // The epilogue (group 0): 8 threads per row, each a contiguous slice of D. Per row the max of
-  // every warp's maximum (the lower group's shifted by the upper group's gate sum of the row's
-  // head; -inf stays -inf), then the rescaled sums.
+  // The epilogue (group 0): 8 threads per row, thread q of a row the columns 4q..4q+3 of every
+  // 32 (so that the 8 threads' 16-byte loads and stores are one contiguous 128 bytes). Per row the
+  // max of every warp's maximum (the lower group's shifted by the upper group's gate sum of the
+  // row's head; -inf stays -inf), then the rescaled sums.
   constexpr int kPerThread = kHeadDim / 8;
   constexpr int kMerged = kGroups * kWarps;
-  const int r = tid / 8, slice = (tid % 8) * kPerThread;
+  const int r = tid / 8, q = tid % 8;
+  auto column = [&](int d) { return (d / 4) * 32 + 4 * q + d % 4; };  // of the thread's d-th value
   if (r >= t.rows) return;
   const float lower_shift =
       kGroups == 2 ? upper_gate_sum[(t.row0 + r) / tq - t.first_head] * kLog2e : 0.f;
@@ -576,32 +617,39 @@ __global__ void __launch_bounds__(kThreads * kGroups)
   const float lse2 = empty ? -INFINITY : base + log2f(total);
   const int packed = t.row0 + r;
   const int64_t h = t.kv_head * group + packed / tq, i = packed % tq;
-  float acc[kPerThread];
+  float acc[kPerThread] = {};
 #pragma unroll
-  for (int d = 0; d < kPerThread; ++d) {
-    float x = 0.f;
+  for (int w = 0; w < kMerged; ++w) {
+    const float* o_w = merge_o(w / kWarps) + ((w % kWarps) * kRows + r) * kHeadDim;
 #pragma unroll
-    for (int w = 0; w < kMerged; ++w)
-      x += merge_o(w / kWarps)[((w % kWarps) * kRows + r) * kHeadDim + slice + d] * scale_w[w];
-    acc[d] = x * inv;
+    for (int d = 0; d < kPerThread; d += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(o_w + column(d));
+      acc[d] += x.x * scale_w[w];
+      acc[d + 1] += x.y * scale_w[w];
+      acc[d + 2] += x.z * scale_w[w];
+      acc[d + 3] += x.w * scale_w[w];
+    }
   }
+#pragma unroll
+  for (int d = 0; d < kPerThread; ++d) acc[d] *= inv;
   const int64_t row = s.batch_index * tq + i;  // (batch, query) row of the lse layout
   if (split.num_splits > 1) {
     const int64_t total_rows = p.batch * tq;
     const int64_t slot = (blockIdx.y * p.num_heads + h) * total_rows + row;
-    float* out = split.out_partial + slot * kHeadDim + slice;
+    float* out = split.out_partial + slot * kHeadDim;
 #pragma unroll
     for (int d = 0; d < kPerThread; d += 4)
-      *reinterpret_cast<float4*>(out + d) = make_float4(acc[d], acc[d + 1], acc[d + 2], acc[d + 3]);
-    if (slice == 0) split.lse_partial[slot] = lse2;
+      *reinterpret_cast<float4*>(out + column(d)) =
+          make_float4(acc[d], acc[d + 1], acc[d + 2], acc[d + 3]);
+    if (q == 0) split.lse_partial[slot] = lse2;
     return;
   }
   T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + i * p.o_row_stride +
-           h * p.o_head_stride + slice;
+           h * p.o_head_stride;
 #pragma unroll
   for (int d = 0; d < kPerThread; d += 2)
-    *reinterpret_cast<uint32_t*>(out + d) = Mma::pack(acc[d], acc[d + 1]);
-  if (slice == 0) static_cast<float*>(p.lse)[(s.batch_index * p.num_heads + h) * tq + i] = lse2 * kLn2;
+    *reinterpret_cast<uint32_t*>(out + column(d)) = Mma::pack(acc[d], acc[d + 1]);
+  if (q == 0) static_cast<float*>(p.lse)[(s.batch_index * p.num_heads + h) * tq + i] = lse2 * kLn2;
 }
 
 // Merges the chunks: one block of 4 warps per (batch * query row, head). The log-sum-exp of chunk
@@ -708,6 +756,7 @@ __global__ void __launch_bounds__(kThreads)
     static_cast<float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + i] =
         sum > 0.f ? (lse_base + log2f(sum)) * kLn2 : -INFINITY;
 }
+
 
 }  // namespace fox::cuda::decode
 
