@@ -757,7 +757,6 @@ __global__ void __launch_bounds__(kThreads)
         sum > 0.f ? (lse_base + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-
 }  // namespace fox::cuda::decode
 
 namespace fox::cuda {
