@@ -5,8 +5,6 @@
 // fp16/bf16: the Hopper ones on sm_90a, the portable mma.sync ones elsewhere) or the generic
 // kernels (any head dim, fp16/bf16/fp32).
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -20,6 +18,7 @@
 #include <torch/library.h>
 
 #include "../forgetting_attention.h"
+#include "../per_device.h"
 #include "launch.h"
 #include "static_switch.h"
 
@@ -98,19 +97,15 @@ int decode_paired_override() {
 // TB/s): measured, an H100 streamed a GQA cache fastest with 192-224 blocks (256: 3-6% slower),
 // an H200 with 256 (192: 10-20% slower).
 int64_t decode_blocks_in_flight() {
-  static std::array<std::atomic<int64_t>, 64> cached{};  // per device; 0 until queried
+  static PerDevice<int64_t> cached;
   const int device = c10::cuda::current_device();
-  auto& slot = cached[static_cast<size_t>(device) % cached.size()];
-  int64_t blocks = slot.load(std::memory_order_relaxed);
-  if (blocks == 0) {
+  return cached.get(device, [device] {
     int khz = 0, bus_bits = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
     const double bytes_per_s = 2.0 * 1e3 * khz * (bus_bits / 8.0);  // double data rate
-    blocks = std::max<int64_t>(1, static_cast<int64_t>(bytes_per_s * 2e-6 / 32768.0));
-    slot.store(blocks, std::memory_order_relaxed);
-  }
-  return blocks;
+    return std::max<int64_t>(1, static_cast<int64_t>(bytes_per_s * 2e-6 / 32768.0));
+  });
 }
 
 // The decoding kernel's plan: chunks per row and block form. A function of the shapes and the

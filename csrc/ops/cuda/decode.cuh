@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 
@@ -38,6 +37,7 @@
 #include "dependent_launch.cuh"
 #include "launch.h"
 #include "mma.cuh"
+#include "../per_device.h"
 
 namespace fox::cuda::decode {
 
@@ -761,10 +761,10 @@ __global__ void __launch_bounds__(kThreads)
 
 namespace fox::cuda {
 
-// The current device's index into the per-device caches below (-1 where out of their range).
-inline int decode_cache_device() {
+// The current device (-1 where it cannot be asked: the per-device caches below then compute).
+inline int decode_current_device() {
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+  if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
     return -1;
   }
@@ -778,17 +778,11 @@ template <typename T, typename TG, int kHeadDim, int kGroups>
 cudaError_t allow_decode_smem() {
   constexpr size_t smem = decode::BlockSmem<kHeadDim, kGroups>::kBytes;
   if (smem <= 48 * 1024) return cudaSuccess;
-  static std::array<std::atomic<int>, 64> result{};  // per device: 0 not yet, else error + 1
-  const int device = decode_cache_device();
-  if (device >= 0) {
-    const int known = result[device].load(std::memory_order_relaxed);
-    if (known != 0) return static_cast<cudaError_t>(known - 1);
-  }
-  const cudaError_t err =
-      cudaFuncSetAttribute(decode::decode_kernel<T, TG, kHeadDim, kGroups>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (device >= 0) result[device].store(static_cast<int>(err) + 1, std::memory_order_relaxed);
-  return err;
+  static PerDevice<cudaError_t> result;
+  return result.get(decode_current_device(), [] {
+    return cudaFuncSetAttribute(decode::decode_kernel<T, TG, kHeadDim, kGroups>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  });
 }
 
 // Resident blocks per SM of the kernel with kGroups groups: 0 where it does not fit an SM (paired
@@ -810,20 +804,14 @@ int decode_blocks_per_sm_of() {
 // Per device (a machine may mix GPU models), looked up once.
 template <typename T, int kHeadDim>
 int decode_blocks_per_sm(bool half_gates, bool paired) {
-  static std::array<std::array<std::atomic<int>, 4>, 64> cached{};  // per device: blocks + 1
-  const int form = 2 * paired + half_gates;
-  const int device = decode_cache_device();
-  if (device >= 0) {
-    const int known = cached[device][form].load(std::memory_order_relaxed);
-    if (known != 0) return known - 1;
-  }
-  int blocks = paired ? (half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 2>()
-                                    : decode_blocks_per_sm_of<T, float, kHeadDim, 2>())
-                      : (half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 1>()
-                                    : decode_blocks_per_sm_of<T, float, kHeadDim, 1>());
-  if (!paired) blocks = std::max(1, blocks);
-  if (device >= 0) cached[device][form].store(blocks + 1, std::memory_order_relaxed);
-  return blocks;
+  static std::array<PerDevice<int>, 4> by_form;  // [paired][half_gates]
+  return by_form[2 * paired + half_gates].get(decode_current_device(), [&] {
+    if (paired)
+      return half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 2>()
+                        : decode_blocks_per_sm_of<T, float, kHeadDim, 2>();
+    return std::max(1, half_gates ? decode_blocks_per_sm_of<T, __half, kHeadDim, 1>()
+                                  : decode_blocks_per_sm_of<T, float, kHeadDim, 1>());
+  });
 }
 
 template <typename T, typename TG, int kHeadDim, int kGroups>

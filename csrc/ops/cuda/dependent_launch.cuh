@@ -11,12 +11,13 @@
 // attribute is left off and both calls compile to nothing: plain stream order.
 #pragma once
 
-#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <utility>
 
 #include <cuda_runtime.h>
+
+#include "../per_device.h"
 
 namespace fox::cuda {
 
@@ -40,18 +41,17 @@ inline bool dependent_launch_supported() {
     const char* v = std::getenv("FOX_DEPENDENT_LAUNCH");
     return v != nullptr && std::string(v) == "0";
   }();
-  constexpr int kDevices = 64;
-  static std::atomic<int> major_of[kDevices] = {};  // 0: not looked up yet
+  static PerDevice<bool> hopper_or_newer;
   int device = 0;
-  if (disabled || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices)
-    return false;
-  int major = major_of[device].load(std::memory_order_relaxed);
-  if (major == 0) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+  if (disabled || cudaGetDevice(&device) != cudaSuccess) return false;
+  return hopper_or_newer.get(device, [device] {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      (void)cudaGetLastError();
       return false;
-    major_of[device].store(major, std::memory_order_relaxed);
-  }
-  return major >= 9;
+    }
+    return major >= 9;
+  });
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch where the

@@ -1,9 +1,8 @@
 // Whether the Hopper kernels can run on the current device: a Hopper GPU, and sm_90a code for it in
 // this build (sm_90 code without the "a" features would compile the wgmma kernels to nothing).
-#include <atomic>
-
 #include <cuda_runtime.h>
 
+#include "../per_device.h"
 #include "launch.h"
 
 namespace fox::cuda {
@@ -35,20 +34,17 @@ bool probe_device(int device) {
 }  // namespace
 
 bool hopper_kernels_available() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  static PerDevice<bool> available;
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+  if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
-  int known = cache[device].load();
-  if (known == 0) {
-    known = probe_device(device) ? 1 : -1;
+  return available.get(device, [device] {
+    const bool yes = probe_device(device);
     cudaGetLastError();  // a failed probe is not an error of a later launch
-    cache[device].store(known);
-  }
-  return known > 0;
+    return yes;
+  });
 }
 
 }  // namespace fox::cuda
