@@ -2,7 +2,8 @@
 installs libfox_torch, the _C module, the headers and the CMake package into the Python package.
 
 Environment knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0a"), CUDA_HOME (a CUDA toolkit root),
-FOX_BUILD_TESTS=1 (also build the Catch2 tests; .ci/setup.sh sets it), FOX_UNITY_BUILD=0 (compile
+FOX_BUILD_TESTS=1 (also build the Catch2 tests; .ci/setup.sh sets it), FOX_BUILD_BENCH=1 (also
+build bench/'s CUDA programs; follows FOX_BUILD_TESTS unless set), FOX_UNITY_BUILD=0 (compile
 the C++ sources one by one: quicker rebuilds after editing one of them), FOX_BUILD_DIR (default
 build/cmake), MAX_JOBS.
 
@@ -95,6 +96,7 @@ class CMakeBuild(build_ext):
             "-DCMAKE_INSTALL_LIBDIR=lib",
             "-DFOX_PYTHON_INSTALL_DIR=.",
             f"-DFOX_BUILD_TESTS={'ON' if os.environ.get('FOX_BUILD_TESTS') == '1' else 'OFF'}",
+            f"-DFOX_BUILD_BENCH={'ON' if os.environ.get('FOX_BUILD_BENCH', os.environ.get('FOX_BUILD_TESTS')) == '1' else 'OFF'}",
             f"-DFOX_ENABLE_CUDA={'OFF' if os.environ.get('FOX_ENABLE_CUDA') == '0' else 'ON'}",
             f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0a')}",
             # Unity build: each target's C++ sources in a few batches, which pay once for the

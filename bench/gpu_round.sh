@@ -8,6 +8,7 @@
 # tests      pytest -m cuda (bad-argument cases deselected: see NOTES, "Hygiene run")
 # decode     bench_decode.py, the full grid (Tq = 1; float32 and float16 gates) and Tq 4/16 on
 #            the quick grid
+# decode_kernel  the decoding kernel on its own (fox_decode_kernel_timing: built by `build` here)
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
 # model      bench_model.py (training step), for the cost of the wrapper layers
 # context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
@@ -29,7 +30,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     build)
-      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc) \
+      TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=$(nproc) FOX_BUILD_BENCH=1 \
         python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/fox_build.log 2>&1 \
         || { tail -40 /tmp/fox_build.log; exit 1; } ;;
     tests)
@@ -39,6 +40,9 @@ for stage in "$@"; do
     decode)
       python3 bench/bench_decode.py --f16-gates --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -3
       python3 bench/bench_decode.py --quick --tq 4 16 2>&1 | tee "$OUT/decode_tq.log" | tail -2 ;;
+    decode_kernel)
+      timing=${FOX_BUILD_DIR:-build/cmake}/fox_decode_kernel_timing
+      { "$timing" && "$timing" --long; } 2>&1 | tee "$OUT/decode_kernel.log" || status=1 ;;
     generate)
       python3 bench/bench_generate.py --out "$OUT" 2>&1 | tee "$OUT/generate.log"
       python3 bench/bench_generate.py --model 760m --batch 1 --prompt 32768 131072 --new 64 \
