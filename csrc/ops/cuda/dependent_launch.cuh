@@ -43,7 +43,11 @@ inline bool dependent_launch_supported() {
   }();
   static PerDevice<bool> hopper_or_newer;
   int device = 0;
-  if (disabled || cudaGetDevice(&device) != cudaSuccess) return false;
+  if (disabled) return false;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not an error of the launch that follows
+    return false;
+  }
   return hopper_or_newer.get(device, [device] {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
