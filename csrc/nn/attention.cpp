@@ -174,7 +174,7 @@ std::vector<std::pair<const void*, uint32_t>> sources_of(
 
 ForgettingAttentionLayerImpl::ConcatenatedProjection
 ForgettingAttentionLayerImpl::concatenate_projections(
-    const std::vector<torch::nn::Linear>& linears) const {
+    const std::vector<torch::nn::Linear>& linears, bool bias_in_gemm) const {
   ConcatenatedProjection c;
   std::vector<torch::Tensor> weights, biases;
   bool any_bias = false;
@@ -192,7 +192,9 @@ ForgettingAttentionLayerImpl::concatenate_projections(
     biases.push_back(torch::Tensor());
     c.widths.push_back(padding);
   }
-  if (any_bias) {
+  if (any_bias && !bias_in_gemm) {
+    c.part_biases = std::move(biases);
+  } else if (any_bias) {
     for (size_t i = 0; i < biases.size(); ++i) {
       if (!biases[i].defined()) biases[i] = torch::zeros({c.widths[i]}, weights[i].options());
     }
@@ -208,7 +210,9 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   // authors' names) and the backward of split_with_sizes is one concatenation. The wide outputs
   // come first. With autograd the concatenation is redone every call (it is part of the graph);
   // few-row inference (decoding) keeps it while the parameters are unchanged, so a decoding step
-  // is one GEMV instead of one per projection.
+  // is one GEMV instead of one per projection. Under autograd the biases (the forget gate's) are
+  // added to their parts: a bias in the GEMM would sum its gradient over the whole width
+  // (0.66 ms of a 125M model's training step at 16k tokens).
   InputProjections out;
   std::vector<torch::nn::Linear> linears = {q_proj, k_shift_proj ? k_shift_proj->linear : k_proj,
                                             v_shift_proj ? v_shift_proj->linear : v_proj};
@@ -228,15 +232,19 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
     auto sources = sources_of(linears);
     if (!inference_projection_.weight.defined() || inference_projection_.sources != sources ||
         inference_projection_.weight.device() != x.device()) {
-      inference_projection_ = concatenate_projections(linears);
+      inference_projection_ = concatenate_projections(linears, true);
       inference_projection_.sources = std::move(sources);
     }
     c = &inference_projection_;
   } else {
-    fresh = concatenate_projections(linears);
+    fresh = concatenate_projections(linears, !torch::GradMode::is_enabled());
   }
   auto parts = functional::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
-  for (size_t i = 0; i < targets.size(); ++i) *targets[i] = parts[i];
+  for (size_t i = 0; i < targets.size(); ++i) {
+    *targets[i] = parts[i];
+    if (i < c->part_biases.size() && c->part_biases[i].defined())
+      *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
+  }
   return out;
 }
 

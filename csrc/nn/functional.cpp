@@ -317,6 +317,49 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
   }
 };
 
+#ifdef FOX_WITH_CUDA
+// GatedLinearFunction over the two halves of one tensor (gate first): the gradient of gate_value
+// is written as one tensor by the fused kernel, where the gradients of two chunk views would be
+// concatenated by autograd (a copy of the whole projection output per layer). The caller checks
+// that the fused kernels take the halves and that the product needs no cast.
+struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate_value,
+                               const torch::Tensor& weight, const std::optional<torch::Tensor>& bias,
+                               const std::string& act) {
+    const int64_t F = gate_value.size(-1) / 2;
+    auto h = functional::gated(gate_value.narrow(-1, 0, F), gate_value.narrow(-1, F, F), act);
+    ctx->save_for_backward({gate_value, weight});
+    ctx->saved_data["silu"] = is_silu(act);
+    ctx->saved_data["bias"] = bias.has_value();
+    return plain_linear(h, weight, bias.value_or(torch::Tensor()));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto gv = rows_view(saved[0]), weight = saved[1];
+    const int64_t F = gv.size(1) / 2;
+    const auto gate = gv.narrow(1, 0, F), value = gv.narrow(1, F, F);
+    const bool silu = ctx->saved_data["silu"].toBool();
+    // As GatedLinearFunction: the product again, then mm's own backward and the product's.
+    const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
+    variable_list out(4);
+    if (ctx->needs_input_grad(1)) {
+      auto h = torch::empty({gv.size(0), F}, gv.options());
+      cuda::gated_forward(gate, value, silu, h);
+      out[1] = dy.t().mm(h);
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
+    if (ctx->needs_input_grad(0)) {
+      auto dgv = torch::empty(gv.sizes(), gv.options());
+      cuda::gated_backward(aligned(dy.mm(weight)), gate, value, silu, dgv.narrow(1, 0, F),
+                           dgv.narrow(1, F, F));
+      out[0] = dgv.view(saved[0].sizes());
+    }
+    return out;
+  }
+};
+#endif  // FOX_WITH_CUDA
+
 // Per-token cross entropy of hidden (N, C) @ weight (V, C)^T against labels (N,), the logits made
 // chunk_rows rows at a time in the forward and again in the backward, never kept. On CUDA the
 // fused loss kernels run on each chunk: the forward keeps every row's log-sum-exp, and the
@@ -623,6 +666,32 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
       gate, value, autocast_arg(weight),
       bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
   return residual.defined() ? add_promoted(y, residual) : y;
+}
+
+torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::string& act,
+                                 const torch::Tensor& weight, const torch::Tensor& bias,
+                                 const torch::Tensor& residual) {
+  TORCH_CHECK(gate_value.dim() >= 1 && gate_value.size(-1) % 2 == 0,
+              "split_gated_linear: gate_value must have an even last dimension (gate, value), got ",
+              gate_value.sizes());
+  const int64_t F = gate_value.size(-1) / 2;
+#ifdef FOX_WITH_CUDA
+  const char* recompute = std::getenv("FOX_RECOMPUTE_GATED");
+  if (!without_autograd({gate_value, weight, bias}) &&
+      !(recompute != nullptr && std::string(recompute) == "0") && fused(gate_value) &&
+      gate_value.numel() > 0 && autocast_arg(gate_value).scalar_type() == gate_value.scalar_type()) {
+    auto gv = rows_view(gate_value);
+    if (rows_fit(F, F, {gv.narrow(1, 0, F), gv.narrow(1, F, F)})) {
+      is_silu(act);  // checks act before the autograd function takes it
+      auto y = SplitGatedLinearFunction::apply(
+          gate_value, autocast_arg(weight),
+          bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
+      return residual.defined() ? add_promoted(y, residual) : y;
+    }
+  }
+#endif
+  return gated_linear(gate_value.narrow(-1, 0, F), gate_value.narrow(-1, F, F), act, weight, bias,
+                      residual);
 }
 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,

@@ -49,9 +49,9 @@ torch::Tensor GatedMLPImpl::forward(const torch::Tensor& x) {
 
 torch::Tensor GatedMLPImpl::forward_with_residual(const torch::Tensor& x,
                                                   const torch::Tensor& residual) {
-  auto chunks = functional::linear(x, gate_proj->weight, gate_proj->bias).chunk(2, -1);
-  return functional::gated_linear(chunks[0], chunks[1], options.hidden_act(), down_proj->weight,
-                                  down_proj->bias, residual);
+  return functional::split_gated_linear(functional::linear(x, gate_proj->weight, gate_proj->bias),
+                                        options.hidden_act(), down_proj->weight, down_proj->bias,
+                                        residual);
 }
 
 }  // namespace fox::nn

@@ -109,6 +109,20 @@ torch::Tensor ForgettingTransformerBlockImpl::forward(
   return mlp->forward_with_residual(normed, h);
 }
 
+std::pair<torch::Tensor, torch::Tensor> ForgettingTransformerBlockImpl::forward_deferred(
+    const torch::Tensor& x_in, const torch::Tensor& pending,
+    const std::optional<torch::Tensor>& seq_start) {
+  torch::Tensor x = x_in, normed;
+  if (pending.defined())
+    std::tie(x, normed) = functional::add_rms_norm(x_in, pending, attn_norm->weight,
+                                                   attn_norm->options.eps());
+  else
+    normed = attn_norm(x_in);
+  auto [h, mlp_in] = functional::add_rms_norm(x, attn->forward(normed, nullptr, seq_start),
+                                              mlp_norm->weight, mlp_norm->options.eps());
+  return {h, mlp->forward(mlp_in)};
+}
+
 // ---- decoder ------------------------------------------------------------------------------------
 
 ForgettingTransformerModelImpl::ForgettingTransformerModelImpl(
@@ -176,6 +190,17 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
   }
   if (cache) cache->begin_update(T);
   auto h = inputs_embeds;
+  if (!cache && !block_runner_.value) {
+    // Training and whole-sequence forwards: each block's MLP branch is added to the stream inside
+    // the next norm (forward_deferred). With a cache the blocks keep the add in the MLP's down
+    // projection (one GEMV with it in a decoding step); a block runner calls whole blocks.
+    torch::Tensor pending;
+    for (size_t i = 0; i < layers->size(); ++i)
+      std::tie(h, pending) = layers[i]->as<ForgettingTransformerBlockImpl>()->forward_deferred(h, pending, start);
+    if (pending.defined())
+      return functional::add_rms_norm(h, pending, norm->weight, norm->options.eps()).second;
+    return norm(h);
+  }
   for (size_t i = 0; i < layers->size(); ++i) {
     auto* layer_cache = cache ? &cache->layers[i] : nullptr;
     auto* block = layers[i]->as<ForgettingTransformerBlockImpl>();

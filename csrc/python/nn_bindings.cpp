@@ -406,6 +406,16 @@ void init_nn_bindings(py::module_& parent) {
       },
       py::arg("gate"), py::arg("value"), py::arg("act"), py::arg("weight"),
       py::arg("bias") = std::nullopt, py::arg("residual") = std::nullopt);
+  f.def(
+      "split_gated_linear",
+      [](const torch::Tensor& gate_value, const std::string& act, const torch::Tensor& weight,
+         const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual) {
+        return functional::split_gated_linear(gate_value, act, weight,
+                                              bias.value_or(torch::Tensor()),
+                                              residual.value_or(torch::Tensor()));
+      },
+      py::arg("gate_value"), py::arg("act"), py::arg("weight"), py::arg("bias") = std::nullopt,
+      py::arg("residual") = std::nullopt);
   f.def("linear_cross_entropy", &functional::linear_cross_entropy, py::arg("hidden"),
         py::arg("weight"), py::arg("labels"), py::arg("ignore_index") = -100,
         py::arg("chunk_rows") = 0);

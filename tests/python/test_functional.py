@@ -251,8 +251,9 @@ def test_gated(device, dtype, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cross_entropy(device, dtype):
-    B, T, V = 3, 41, 1000
+@pytest.mark.parametrize("V", [1000, 1001])  # 16-byte loads where rows allow them; one per logit
+def test_cross_entropy(device, dtype, V):
+    B, T = 3, 41
     logits = (3 * torch.randn(B, T, V, device=device)).to(dtype)
     labels = torch.randint(0, V, (B, T), device=device)
     labels[0, :5] = -100
@@ -276,10 +277,12 @@ def test_cross_entropy(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, "autocast_bf16"])
 @pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, True)])
-def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual):
+@pytest.mark.parametrize("split", [False, True], ids=["gate_value", "split"])
+def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual, split):
     """gated_linear keeps gate, value and weight, not the product, and computes the product again
     in the backward: the output and every gradient bitwise those of linear(gated(...), ...),
-    under bf16 autocast too (float32 weight, residual and gate/value)."""
+    under bf16 autocast too (float32 weight, residual and gate/value). split_gated_linear takes
+    gate and value as the halves of one tensor (its gradient comes back as one): the same bits."""
     autocast = dtype == "autocast_bf16"
     dt = torch.float32 if autocast else dtype
     N, C, O = 37, 96, 40
@@ -300,6 +303,8 @@ def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual
 
     def recomputed(*xs):
         gu, w, b, r = unpack(xs)
+        if split:
+            return fused.split_gated_linear(gu, "swish", w, b, r)
         return fused.gated_linear(gu[:, :C], gu[:, C:], "swish", w, b, r)
 
     g = torch.randn(N, O, device=device)
@@ -307,8 +312,7 @@ def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual
         out, grads = forward_backward(composed, inputs, g)
         out_r, grads_r = forward_backward(recomputed, inputs, g)
         with torch.no_grad():
-            assert torch.equal(fused.gated_linear(gu[:, :C], gu[:, C:], "swish", w, b, r),
-                               composed(*inputs))
+            assert torch.equal(recomputed(*inputs), composed(*inputs))
     assert torch.equal(out, out_r)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
 
@@ -349,6 +353,10 @@ def test_bad_arguments_name_the_argument():
     gu, w = torch.randn(4, 16, requires_grad=True), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="act"):
         fused.gated_linear(gu[:, :8], gu[:, 8:], "relu", w)
+    with pytest.raises(RuntimeError, match="act"):
+        fused.split_gated_linear(gu, "relu", w)
+    with pytest.raises(RuntimeError, match="gate_value"):
+        fused.split_gated_linear(gu[:, :15], "swish", w)
     hidden, labels = torch.randn(2, 5, 8, requires_grad=True), torch.randint(0, 6, (2, 5))
     with pytest.raises(RuntimeError, match="labels"):
         fused.linear_cross_entropy(hidden, w, labels[:, :-1])

@@ -359,6 +359,23 @@ def test_gated_recompute_same_loss_and_gradients(device, dtype, tied, monkeypatc
     assert kept_r <= kept - product, (kept_r, kept, product)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
+def test_deferred_residual_is_block_by_block(device, dtype, monkeypatch):
+    """The model's own block loop adds each block's MLP branch to the stream inside the next
+    block's first norm (ForgettingTransformerBlock.forward_deferred); with a forward hook on a
+    block the loop calls every block's whole forward, which adds it after the MLP: bitwise the
+    same loss and gradients, and no more bytes saved for the backward."""
+    autocast, model, c, ids, labels = savings_case(device, dtype, False)
+    loss, grads, kept = savings_step(model, ids, labels, {}, monkeypatch, autocast)
+    hook = model.model.layers[0].register_forward_hook(lambda mod, args, out: None)
+    loss_b, grads_b, kept_b = savings_step(model, ids, labels, {}, monkeypatch, autocast)
+    hook.remove()
+    assert torch.equal(loss, loss_b)
+    for name in grads:
+        assert torch.equal(grads[name], grads_b[name]), name
+    assert kept <= kept_b, (kept, kept_b)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
 def test_chunked_loss_matches_whole_logits(device, dtype, tied, monkeypatch):

@@ -42,7 +42,8 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
                         const at::Tensor& first, const at::Tensor& dcur,
                         const at::Tensor& dlogits, const at::Tensor& dfirst);
 
-// y = act(g) * u with act = silu (swish) or sigmoid; g and u (rows, C).
+// y = act(g) * u with act = silu (swish) or sigmoid; g and u (rows, C). g, u, dg and du may have
+// any row stride (the two halves of one projection's rows); y and dy are contiguous.
 void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at::Tensor& y);
 void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, bool silu,
                     const at::Tensor& dg, const at::Tensor& du);

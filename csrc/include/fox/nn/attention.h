@@ -145,11 +145,15 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   /// padded to a multiple of 64 (zero rows) so that every wide slice starts 16-byte aligned.
   struct ConcatenatedProjection {
     torch::Tensor weight, bias;                   // bias undefined when no projection has one
+    std::vector<torch::Tensor> part_biases;       // without bias_in_gemm: each part's own
     std::vector<int64_t> widths;                  // output widths in order, padding last
     std::vector<std::pair<const void*, uint32_t>> sources;  // (data_ptr, version) of each input
   };
-  ConcatenatedProjection concatenate_projections(
-      const std::vector<torch::nn::Linear>& linears) const;
+  /// bias_in_gemm: the biases concatenated (zeros where a projection has none) for the GEMM's
+  /// epilogue; otherwise added to their parts, so that a backward sums the bias gradient over
+  /// the parts that have one only (the forget gate's few columns, not the whole width).
+  ConcatenatedProjection concatenate_projections(const std::vector<torch::nn::Linear>& linears,
+                                                 bool bias_in_gemm) const;
   /// Few-row inference (decoding) keeps the concatenation while the parameters are unchanged.
   ConcatenatedProjection inference_projection_;
 

@@ -59,6 +59,13 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
                            const std::string& act, const torch::Tensor& weight,
                            const torch::Tensor& bias = {}, const torch::Tensor& residual = {});
 
+/// gated_linear of the two halves of gate_value's last dimension, gate first (a gated MLP's one
+/// up projection, as the authors' GatedMLP chunks it). Under autograd on CUDA the gradient of
+/// gate_value is written as one tensor: no concatenation of the halves' gradients.
+torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::string& act,
+                                 const torch::Tensor& weight, const torch::Tensor& bias = {},
+                                 const torch::Tensor& residual = {});
+
 /// cross_entropy(linear(hidden, weight), labels, ignore_index): the per-token loss of a language
 /// model head. Under autograd the logits are made `chunk_rows` rows at a time (0: as many as fit
 /// in about 256 MiB) and never kept: the backward makes each chunk's logits again. The loss

@@ -113,6 +113,14 @@ class ForgettingTransformerBlockImpl
   /// Pre-norm residual block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)).
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr,
                         const std::optional<torch::Tensor>& seq_start = std::nullopt);
+  /// The same block with its last residual add deferred: takes the stream without the previous
+  /// block's MLP branch (`pending`, undefined for the first block) and returns {h, mlp branch},
+  /// h + branch being forward's result. The pending add happens inside this block's first norm
+  /// (add_rms_norm), so that a training step runs no separate add, cast or gradient
+  /// accumulation for it. Bitwise the same values and gradients as forward. No cache.
+  std::pair<torch::Tensor, torch::Tensor> forward_deferred(
+      const torch::Tensor& x, const torch::Tensor& pending,
+      const std::optional<torch::Tensor>& seq_start = std::nullopt);
 
   ForgettingTransformerConfig config;
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
