@@ -15,6 +15,11 @@ the same weights (the losses agree), the same random tokens, the gradients set t
 step as a training loop does, the steps interleaved (median of each side's steps). Peak memory:
 the largest allocation during a step with the gradients of the step before still held, and from
 zero gradients (optimizer state aside).
+
+Their step's speed depends on the process: at B=4, T=4096 their FoX (Pro) ran at 140-212k tokens/s
+over nine processes (Triton's autotuner picks other configurations for their norm, gate and
+token-shift kernels in each), ours within 3%. Run several processes and read the ratios against
+their spread (bench/NOTES.md, "Against the authors' implementation").
 """
 import argparse
 import importlib
