@@ -61,7 +61,9 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
 
 /// gated_linear of the two halves of gate_value's last dimension, gate first (a gated MLP's one
 /// up projection, as the authors' GatedMLP chunks it). Under autograd on CUDA the gradient of
-/// gate_value is written as one tensor: no concatenation of the halves' gradients.
+/// gate_value is written as one tensor: no concatenation of the halves' gradients. Elsewhere
+/// (CPU, no autograd, FOX_RECOMPUTE_GATED=0, rows the fused kernels do not take) it is
+/// gated_linear of the two halves as views. Bitwise gated_linear either way.
 torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::string& act,
                                  const torch::Tensor& weight, const torch::Tensor& bias = {},
                                  const torch::Tensor& residual = {});
