@@ -195,8 +195,10 @@ torch::Tensor ForgettingTransformerModelImpl::forward_embeds(
     // the next norm (forward_deferred). With a cache the blocks keep the add in the MLP's down
     // projection (one GEMV with it in a decoding step); a block runner calls whole blocks.
     torch::Tensor pending;
-    for (size_t i = 0; i < layers->size(); ++i)
-      std::tie(h, pending) = layers[i]->as<ForgettingTransformerBlockImpl>()->forward_deferred(h, pending, start);
+    for (size_t i = 0; i < layers->size(); ++i) {
+      auto* block = layers[i]->as<ForgettingTransformerBlockImpl>();
+      std::tie(h, pending) = block->forward_deferred(h, pending, start);
+    }
     if (pending.defined())
       return functional::add_rms_norm(h, pending, norm->weight, norm->options.eps()).second;
     return norm(h);
