@@ -24,25 +24,13 @@
 #else
 #include "decode.cuh"
 #endif
+#include "kernel_timing.cuh"
 
 namespace {
 
 using fox::ForwardParams;
-
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-  std::exit(1);
-}
-
-// Deterministic pseudo-random values (a hash of the index): the same inputs in every build.
-__device__ float hashed_unit(size_t i, unsigned seed) {
-  unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
-  h ^= h >> 13;
-  h *= 0x5bd1e995u;
-  h ^= h >> 15;
-  return (h & 0xffff) / 65536.f;
-}
+using fox::bench::check;
+using fox::bench::hashed_unit;
 
 __global__ void fill_values(__nv_bfloat16* x, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)

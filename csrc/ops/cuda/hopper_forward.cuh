@@ -197,6 +197,45 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int
   }
 }
 
+// This warpgroup's 64 rows of a kRows x kHeadDim accumulator tile (rows warp_row0 + group + 8 hi
+// of this thread, as wgmma leaves them, times row_scale[hi]) to rows [0, nrows) of `out`, through
+// `stage`: a shared-memory tile of load_tile's layout whose rows of this warpgroup nothing reads
+// any more. Stored straight from the accumulators, a lane writes 4 bytes and an instruction 16
+// bytes of each of 8 rows (half an L2 sector): the forward's epilogue took ~1.8 us a block (N=2k,
+// D=128, 7% of a block's life). Through shared memory (the swizzle puts a warp's 32 lanes on 32
+// banks) a warp writes whole rows in 16-byte pieces.
+// The caller passes a block barrier first: every thread loaded rows of the tile, and the barrier
+// (after each thread's cp_async_wait) orders those copies before these writes in a form that
+// compute-sanitizer's racecheck follows. It costs the block nothing: the warpgroup that arrives
+// last does not wait.
+template <typename T, int kRows, int kHeadDim>
+__device__ __forceinline__ void store_rows_staged(T* stage, const float (&acc)[kHeadDim / 2],
+                                                  const float (&row_scale)[2], T* out, int64_t row_stride,
+                                                  int nrows) {
+  using Mma = MmaTraits<T>;
+  const int lane = threadIdx.x & 31, wg = threadIdx.x >> 7, group = lane >> 2, quad = lane & 3;
+  const int warp_row0 = 64 * wg + 16 * ((threadIdx.x >> 5) & 3);
+  if (64 * wg >= nrows) return;  // (the same choice in the whole warpgroup)
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 8; ++n)
+      *reinterpret_cast<uint32_t*>(stage + sw128_offset(warp_row0 + group + 8 * hi, n, kRows) + quad * 2) =
+          Mma::pack(acc[4 * n + 2 * hi] * row_scale[hi], acc[4 * n + 2 * hi + 1] * row_scale[hi]);
+  if (wg == 0)  // the warpgroup's threads (named barriers as immediates: a register id reserves all 16)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
+#pragma unroll
+  for (int i = threadIdx.x & 127; i < 64 * kChunks; i += 128) {
+    const int r = 64 * wg + i / kChunks, c = i % kChunks;
+    if (r < nrows)
+      *reinterpret_cast<uint4*>(out + r * row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(stage + sw128_offset(r, c, kRows));
+  }
+}
+
 // mbarriers in shared memory (TileHandoff below).
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
@@ -607,13 +646,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       if (quad == 0) split.lse_partial[slot] = lse2;
       continue;
     }
-    T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride +
-             (s.row_q + i0 + r) * p.o_row_stride + h * p.o_head_stride;
-#pragma unroll
-    for (int n = 0; n < kDimChunks; ++n)
-      *reinterpret_cast<uint32_t*>(out + n * 8 + quad * 2) =
-          Mma::pack(o[4 * n + 2 * hi] * inv, o[4 * n + 2 * hi + 1] * inv);
     if (quad == 0) static_cast<float*>(p.lse)[row_stat_offset(p, s, h) + i0 + r] = lse2 * kLn2;
+  }
+  if constexpr (!kSplit) {  // O through this warpgroup's rows of the Q tile (its products are done)
+    __syncthreads();
+    float inv[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) inv[hi] = row_sum[hi] == 0.f ? 0.f : 1.f / row_sum[hi];
+    T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + (s.row_q + i0) * p.o_row_stride +
+             h * p.o_head_stride;
+    store_rows_staged<T, kBlockM, kHeadDim>(Qs, o, inv, out, p.o_row_stride, nq);
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }

@@ -1,0 +1,185 @@
+// The Hopper prefill kernels on their own, outside PyTorch: forward (gate-suffix pre-pass and
+// forward kernel) and backward (delta, gate-suffix, dK/dV, dQ and gate-gradient kernels), bf16,
+// causal, B = 16384 / N sequences, H = 32 heads of 64 or 16 of 128, half the heads global (log f
+// in [-1e-3, 0]) and half local (log f ~ -1), the inputs a hash of their index. CUDA events around
+// each pass, median of the repetitions; prints checksums of out, dq, dk and dv per cell.
+//
+//   fox_attention_kernel_timing [--reps N] [--d 64|128] [N ...]      (default: both, 2k-16k)
+//
+// Built with the Catch2 tests (FOX_BUILD_TESTS=1, or FOX_BUILD_BENCH=1) into build/cmake; needs an
+// sm_90 GPU. To compare a change of the kernels with the kept code, build the program from both
+// source trees (its includes come from -I) and run the two alternately, one process each, three
+// pairs or more: the medians of one build move by 1-3% from run to run (single outliers more),
+// less than between processes of PyTorch timing the same kernel (up to 5-10%); equal checksums
+// mean equal results, e.g.
+//
+//   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -arch=sm_90a -I<cutlass>/include \
+//     -I<tree>/csrc -I<tree>/csrc/ops/cuda bench/attention_kernel_timing.cu <tree>/csrc/ops/cuda/tma.cu
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "hopper_backward.cuh"
+#include "kernel_timing.cuh"
+
+namespace {
+
+using fox::BackwardParams;
+using fox::cuda::BackwardWorkspace;
+using fox::bench::check;
+using fox::bench::hashed_unit;
+
+// Roughly unit variance: the sum of 4 uniforms, centred and scaled.
+__global__ void fill_values(__nv_bfloat16* x, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    float s = 0.f;
+    for (unsigned k = 0; k < 4; ++k) s += hashed_unit(4 * i + k, seed);
+    x[i] = __float2bfloat16((s - 2.f) * 1.732f);
+  }
+}
+
+// (B, N, H) gates: heads below H / 2 global, the others local.
+__global__ void fill_gates(float* g, size_t n, int H, unsigned seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const float u = hashed_unit(i, seed);
+    g[i] = static_cast<int>(i % H) < H / 2 ? -1e-3f * u : -0.5f - u;
+  }
+}
+
+// Partial sums of a weighted checksum, one per thread (added up in order on the host: the same
+// bits for the same tensor).
+constexpr int kSumBlocks = 256, kSumThreads = 256;
+__global__ void checksum(const __nv_bfloat16* x, size_t n, double* partial) {
+  const size_t t = size_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  double a = 0;
+  for (size_t i = t; i < n; i += size_t{kSumBlocks} * kSumThreads)
+    a += static_cast<double>(__bfloat162float(x[i])) * (1 + i % 7);
+  partial[t] = a;
+}
+
+template <int D>
+void run(int N, int reps) {
+  const int B = 16384 / N, H = D == 64 ? 32 : 16;
+  const size_t n = size_t{1} * B * N * H * D, ns = size_t{1} * B * H * N;
+  __nv_bfloat16* t[8];  // q, k, v, out, dout, dq, dk, dv
+  for (int i = 0; i < 8; ++i) {
+    check(cudaMalloc(&t[i], n * 2), "tensor");
+    fill_values<<<1024, 256>>>(t[i], n, 11 + i);
+  }
+  float *g, *lse, *suffix, *delta, *dc, *rowsum, *query_bias, *dg;
+  check(cudaMalloc(&g, ns * 4), "log f");
+  fill_gates<<<1024, 256>>>(g, ns, H, 7);
+  for (float** x : {&lse, &suffix, &delta, &dc, &rowsum, &query_bias, &dg}) check(cudaMalloc(x, ns * 4), "workspace");
+
+  BackwardParams p;
+  p.q = t[0];
+  p.k = t[1];
+  p.v = t[2];
+  p.out = t[3];
+  p.dout = t[4];
+  p.dq = t[5];
+  p.dk = t[6];
+  p.dv = t[7];
+  p.log_fgate = g;
+  p.dlog_fgate = dg;
+  p.lse = lse;
+  const int64_t batch = int64_t{N} * H * D, row = int64_t{H} * D;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = p.do_batch_stride = batch;
+  p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = batch;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = p.do_row_stride = row;
+  p.dq_row_stride = p.dk_row_stride = p.dv_row_stride = row;
+  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = p.do_head_stride = D;
+  p.dq_head_stride = p.dk_head_stride = p.dv_head_stride = D;
+  p.g_batch_stride = p.dg_batch_stride = int64_t{N} * H;
+  p.g_row_stride = p.dg_row_stride = H;
+  p.g_head_stride = p.dg_head_stride = 1;
+  p.batch = B;
+  p.seqlen_q = p.seqlen_k = N;
+  p.num_heads = p.num_kv_heads = H;
+  p.head_dim = D;
+  p.scale = 1.0 / std::sqrt(static_cast<double>(D));
+  BackwardWorkspace ws;
+  ws.delta = delta;
+  ws.dc = dc;
+  ws.dq_rowsum = rowsum;
+  ws.query_bias = query_bias;
+
+  cudaEvent_t e[3];
+  for (auto& x : e) check(cudaEventCreate(&x), "event");
+  std::vector<float> fwd, bwd;
+  for (int r = 0; r < reps + 3; ++r) {
+    check(cudaEventRecord(e[0]), "record");
+    fox::cuda::run_hopper_forward<__nv_bfloat16, D>(p, suffix, N, N, 0);
+    check(cudaEventRecord(e[1]), "record");
+    fox::cuda::run_hopper_backward<__nv_bfloat16, D>(p, ws, suffix, N, N, 0);
+    check(cudaEventRecord(e[2]), "record");
+    check(cudaEventSynchronize(e[2]), "run");
+    float a, b;
+    check(cudaEventElapsedTime(&a, e[0], e[1]), "time");
+    check(cudaEventElapsedTime(&b, e[1], e[2]), "time");
+    if (r >= 3) {  // (warm-up)
+      fwd.push_back(a * 1e3f);
+      bwd.push_back(b * 1e3f);
+    }
+  }
+  std::sort(fwd.begin(), fwd.end());
+  std::sort(bwd.begin(), bwd.end());
+  double sums[4] = {0, 0, 0, 0};
+  double* partial;
+  std::vector<double> host(kSumBlocks * kSumThreads);
+  check(cudaMalloc(&partial, host.size() * sizeof(double)), "partial sums");
+  for (int i = 0; i < 4; ++i) {
+    checksum<<<kSumBlocks, kSumThreads>>>(t[i == 0 ? 3 : 4 + i], n, partial);
+    check(cudaMemcpy(host.data(), partial, host.size() * sizeof(double), cudaMemcpyDeviceToHost), "sums");
+    for (double x : host) sums[i] += x;
+  }
+  const double flops = 2.0 * B * H * static_cast<double>(N) * N * D;  // causal forward; backward 2.5x
+  const float f = fwd[fwd.size() / 2], b = bwd[bwd.size() / 2];
+  std::printf("D=%d H=%d N=%d B=%d: fwd %.1f us (%.0f TFLOP/s)  bwd %.1f us (%.0f)  f+b %.1f us (%.0f)  "
+              "checksums out %.9e dq %.9e dk %.9e dv %.9e\n",
+              D, H, N, B, f, flops / f * 1e-6, b, 2.5 * flops / b * 1e-6, f + b, 3.5 * flops / (f + b) * 1e-6,
+              sums[0], sums[1], sums[2], sums[3]);
+  for (auto x : t) check(cudaFree(x), "free");
+  for (float* x : {g, lse, suffix, delta, dc, rowsum, query_bias, dg}) check(cudaFree(x), "free");
+  check(cudaFree(partial), "free");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20, only_d = 0;
+  std::vector<int> lengths;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--d") && i + 1 < argc) {
+      only_d = std::atoi(argv[++i]);
+    } else if (std::atoi(argv[i]) >= 128 && std::atoi(argv[i]) <= 16384 && 16384 % std::atoi(argv[i]) == 0) {
+      lengths.push_back(std::atoi(argv[i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [N ...] (N divides 16384)\n", argv[0]);
+      return 2;
+    }
+  }
+  if (lengths.empty()) lengths = {2048, 4096, 8192, 16384};
+  int device = 0, major = 0;
+  check(cudaGetDevice(&device), "device");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "capability");
+  if (major != 9) {
+    std::fprintf(stderr, "the Hopper kernels need an sm_90 GPU\n");
+    return 1;
+  }
+  for (int d : {128, 64}) {
+    if (only_d != 0 && d != only_d) continue;
+    for (int n : lengths) {
+      if (d == 64)
+        run<64>(n, reps);
+      else
+        run<128>(n, reps);
+    }
+  }
+  return 0;
+}
