@@ -9,6 +9,8 @@
 # decode     bench_decode.py, the full grid (Tq = 1; float32 and float16 gates) and Tq 4/16 on
 #            the quick grid
 # decode_kernel  the decoding kernel on its own (fox_decode_kernel_timing: built by `build` here)
+# attention_kernel  the prefill kernels on their own, forward and backward, D=64/128, N=2k-16k
+#            (fox_attention_kernel_timing: built by `build` here)
 # generate   bench_generate.py: 125M at B 1/16/64 after a 2k prompt, then 760M at 32k and 128k
 # model      bench_model.py (training step), for the cost of the wrapper layers
 # context_parallel  (2 GPUs) bench_context_parallel.py: the model on 1 GPU at 32k-128k and on 2 at
@@ -43,6 +45,9 @@ for stage in "$@"; do
     decode_kernel)
       timing=${FOX_BUILD_DIR:-build/cmake}/fox_decode_kernel_timing
       { "$timing" && "$timing" --long; } 2>&1 | tee "$OUT/decode_kernel.log" || status=1 ;;
+    attention_kernel)
+      "${FOX_BUILD_DIR:-build/cmake}/fox_attention_kernel_timing" 2>&1 | tee "$OUT/attention_kernel.log" \
+        || status=1 ;;
     generate)
       python3 bench/bench_generate.py --out "$OUT" 2>&1 | tee "$OUT/generate.log"
       python3 bench/bench_generate.py --model 760m --batch 1 --prompt 32768 131072 --new 64 \
