@@ -623,17 +623,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
 
+  float inv[2];  // 1 / the row's sum (0 for a row without keys)
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
     row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+    inv[hi] = row_sum[hi] == 0.f ? 0.f : 1.f / row_sum[hi];
   }
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int r = row_of(hi);
     if (r >= nq) continue;
     const bool empty = row_sum[hi] == 0.f;
-    const float inv = empty ? 0.f : 1.f / row_sum[hi];
     const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]) + rq[hi];
     if constexpr (kSplit) {
       const int64_t row = s.batch_index * p.seqlen_q + s.row_q + i0 + r;
@@ -642,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #pragma unroll
       for (int n = 0; n < kDimChunks; ++n)
         *reinterpret_cast<float2*>(out + n * 8 + quad * 2) =
-            make_float2(o[4 * n + 2 * hi] * inv, o[4 * n + 2 * hi + 1] * inv);
+            make_float2(o[4 * n + 2 * hi] * inv[hi], o[4 * n + 2 * hi + 1] * inv[hi]);
       if (quad == 0) split.lse_partial[slot] = lse2;
       continue;
     }
@@ -650,9 +651,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   if constexpr (!kSplit) {  // O through this warpgroup's rows of the Q tile (its products are done)
     __syncthreads();
-    float inv[2];
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) inv[hi] = row_sum[hi] == 0.f ? 0.f : 1.f / row_sum[hi];
     T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + (s.row_q + i0) * p.o_row_stride +
              h * p.o_head_stride;
     store_rows_staged<T, kBlockM, kHeadDim>(Qs, o, inv, out, p.o_row_stride, nq);
