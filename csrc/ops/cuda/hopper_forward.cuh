@@ -4,9 +4,14 @@
 // A block of two warpgroups owns 128 queries of one (sequence, head); each warpgroup owns 64 rows
 // and keeps S and O in registers (wgmma accumulators). Key tiles of 128 keys are walked from the
 // diagonal downwards, double-buffered in shared memory in the 128-byte-swizzled layout that wgmma
-// reads directly (the first tile by cp.async, the others by TMA where the layout allows it): S = Q K^T with both operands in shared memory (K-major), O += P V with
-// P from registers and V read transposed (MN-major). The stages pass between the threads through
-// TileHandoff: a block barrier per tile, or mbarriers that let the two warpgroups drift apart.
+// reads directly (the first tile by cp.async, the others by TMA where the layout allows it):
+// S = Q K^T with both operands in shared memory (K-major), O += P V with P from registers and V
+// read transposed (MN-major). Two kernels:
+// - forward_kernel (head dim 64, layouts TMA cannot take, split-KV decoding): every thread
+//   computes; the stages pass between the threads through TileHandoff, a block barrier per tile
+//   or mbarriers that let the two warpgroups drift apart.
+// - forward_kernel_ws (head dim 128 with TMA): FlashAttention-3's warp specialisation, a producer
+//   warpgroup and two math warpgroups that take turns at the tensor cores.
 //
 // Gate bias without a serial walk: a pre-pass writes, per 128-key tile t, the tile-local suffix
 // sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms; stored times log2(e), the
@@ -394,15 +399,124 @@ __global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams 
   }
 }
 
-template <int kHeadDim>
+// C of the tile of the block's first query a and of the tile above it (the block's queries span
+// at most these two), and the C the walk starts from (at the tile of the diagonal).
+struct GateAnchor {
+  int64_t ta;
+  float c_a, c_above;
+  __device__ __forceinline__ GateAnchor(const float* T_, int64_t a, int64_t len_k)
+      : ta(a / kBlockN), c_a(T_[a]),
+        c_above(ta + 1 < (len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f) {}
+  __device__ __forceinline__ float carry_at(int64_t kt) const { return kt == ta ? c_a : c_above; }
+  // R of the query at position pos (log2 domain; added to its lse at the end).
+  __device__ __forceinline__ float query_term(const float* T_, int64_t pos) const {
+    return (pos / kBlockN == ta ? c_a : c_above) - T_[pos];
+  }
+};
+
+// The online softmax of one key tile for this thread's two query rows, log2 domain: the scores
+// sc of S = Q K^T become x = S * scale_log2 + T_j (masked to -inf where `masked` and outside
+// (first_col, last_col[hi]]), the row maxima move, and sc ends holding p = exp2(x - max). The
+// scores are x' = x + C (C = carry): row_max stays in the frame of x, the exponent subtracts
+// row_max + C. correction[hi] rescales what the row had (O, its sum), tile_sum[hi] is the sum of
+// its new p.
+template <int kCols>
+__device__ __forceinline__ void softmax_tile(float (&sc)[kCols / 2], const float* Tk, float carry,
+                                             float scale_log2, bool masked, const int64_t (&last_col)[2],
+                                             int64_t first_col, float (&row_max)[2], float (&correction)[2],
+                                             float (&tile_sum)[2]) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+  const float no_shift[2] = {0.f, 0.f};
+  auto bias_and_max = [&](int i, int hi, float x) {
+    sc[i] = x;
+    tile_max[hi] = fmaxf(tile_max[hi], x);
+  };
+  if (masked)  // the tiles that cross the diagonal or first_key
+    for_each_score<true, kCols, false>(sc, Tk, no_shift, scale_log2, last_col, first_col, bias_and_max);
+  else
+    for_each_score<false, kCols, false>(sc, Tk, no_shift, scale_log2, last_col, first_col, bias_and_max);
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float m = tile_max[hi];
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float new_max = fmaxf(row_max[hi], m - carry);
+    // A row that has seen no key yet keeps max -inf: subtract 0 instead (all its p are 0).
+    const float base_max = new_max == -INFINITY ? 0.f : new_max;
+    correction[hi] = exp2f(row_max[hi] - base_max);
+    row_max[hi] = new_max;
+    tile_max[hi] = base_max + carry;  // the exponent's shift in the frame of x'
+    tile_sum[hi] = 0.f;
+  }
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+    sc[4 * n + 0] = exp2f(sc[4 * n + 0] - tile_max[0]);
+    sc[4 * n + 1] = exp2f(sc[4 * n + 1] - tile_max[0]);
+    sc[4 * n + 2] = exp2f(sc[4 * n + 2] - tile_max[1]);
+    sc[4 * n + 3] = exp2f(sc[4 * n + 3] - tile_max[1]);
+    tile_sum[0] += sc[4 * n + 0] + sc[4 * n + 1];
+    tile_sum[1] += sc[4 * n + 2] + sc[4 * n + 3];
+  }
+}
+
+// After softmax_tile (and once no product writes O any more): O and the row sums rescaled to the
+// new maxima, P packed into the A-operand layout (the accumulators of 8-column chunks 2k, 2k+1
+// form k-step k).
+template <typename T, int kHeadDim, int kCols>
+__device__ __forceinline__ void rescale_and_pack(const float (&sc)[kCols / 2], const float (&correction)[2],
+                                                 const float (&tile_sum)[2], float (&o)[kHeadDim / 2],
+                                                 float (&row_sum)[2], uint32_t (&p_frag)[kCols / 16][4]) {
+  using Mma = MmaTraits<T>;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {  // first: the scores' registers free up
+    p_frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(sc[4 * n + 0], sc[4 * n + 1]);
+    p_frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(sc[4 * n + 2], sc[4 * n + 3]);
+  }
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n) {
+    o[4 * n + 0] *= correction[0];
+    o[4 * n + 1] *= correction[0];
+    o[4 * n + 2] *= correction[1];
+    o[4 * n + 3] *= correction[1];
+  }
+}
+
+// At the end of the walk: the rows' sums over the quad and 1 / sum (0 for a row without keys).
+__device__ __forceinline__ void finish_row_sums(float (&row_sum)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+    inv[hi] = row_sum[hi] == 0.f ? 0.f : 1.f / row_sum[hi];
+  }
+}
+// A row's lse in log2 units from its finished sum and maximum, rq its gate term (-inf: no keys).
+__device__ __forceinline__ float row_lse2(float row_sum, float row_max, float rq) {
+  return row_sum == 0.f ? -INFINITY : row_max + log2f(row_sum) + rq;
+}
+
+template <int kHeadDim, int kStages = 2>
 struct ForwardSmem {
   static constexpr int kQ = kBlockM * kHeadDim;     // elements
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
-  static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
-  static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
+  static constexpr size_t kBytesTiles = 2 * (kQ + 2 * kStages * kTile);  // Q, the stages of (K, V)
+  static constexpr size_t kBytesT = sizeof(float) * kStages * kBlockN;  // the stages of T
+  static constexpr size_t kBytesBarriers = 2 * kStages * sizeof(uint64_t);  // full, empty per stage
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + kBytesBarriers;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
+
+// The warp-specialised forward (forward_kernel_ws) where the tiles come by TMA: 1 at head dim
+// 128 (-10% forward time at N=2k, -15% at 16k); at head dim 64 (FOX_HOPPER_FWD_WS_64=1) its one
+// block per SM measured +13% at N=2k and +4% at 16k against forward_kernel's two.
+#ifndef FOX_HOPPER_FWD_WS
+#define FOX_HOPPER_FWD_WS 1
+#endif
+#ifndef FOX_HOPPER_FWD_WS_64
+#define FOX_HOPPER_FWD_WS_64 0
+#endif
 
 // Blocks per SM: for head dim 64 two blocks fit in shared memory; their softmax and matrix work
 // overlap, at the price of a 128-register cap.
@@ -436,8 +550,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
   using GmmaPV = typename Gmma<T, kHeadDim>::RS;
-  using Mma = MmaTraits<T>;
-  constexpr int kKeyChunks = kBlockN / 8;   // 8-column chunks of S
   constexpr int kDimChunks = kHeadDim / 8;  // 8-column chunks of O
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
@@ -497,18 +609,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   handoff.loaded(0);
 
-  // C of the tile of a and of the tile above it (the block's queries span at most these two).
-  const int64_t ta = a / kBlockN;
-  const float c_a = T_[a];
-  const float c_above = ta + 1 < (s.len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f;
+  const GateAnchor anchor(T_, a, s.len_k);
   auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
   float rq[2];  // R of this thread's two query rows, log2 domain (added to the lse at the end)
 #pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    const int64_t pos = min64(a + row_of(hi), L);
-    rq[hi] = (pos / kBlockN == ta ? c_a : c_above) - T_[pos];
-  }
-  float carry = kt_top == ta ? c_a : c_above;  // C of tile kt
+  for (int hi = 0; hi < 2; ++hi) rq[hi] = anchor.query_term(T_, min64(a + row_of(hi), L));
+  float carry = anchor.carry_at(kt_top);  // C of tile kt
   const float prune_log2 = p.prune_threshold * kLog2e;
   if (kt_hi < kt_top) {  // a chunk below the diagonal: C_{t-1} = C_t - T_t[t * 128] down to kt_hi
     float sum = 0.f;
@@ -561,55 +667,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     cute::warpgroup_wait<0>();
     fence_registers(sc);
 
-    // Bias, masks and the online softmax, log2 domain. The masked variant runs only on the tiles
-    // that cross the diagonal or first_key (int32 column limits, relative to the tile). The
-    // scores are x' = x + C (C = carry): row_max stays in the frame of x, the exponent subtracts
-    // row_max + C.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-    const float no_shift[2] = {0.f, 0.f};
+    // Bias, masks and the online softmax (int32 column limits, relative to the tile).
     const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
-    auto bias_and_max = [&](int i, int hi, float x) {
-      sc[i] = x;
-      tile_max[hi] = fmaxf(tile_max[hi], x);
-    };
-    if (j0 + kBlockN - 1 > a || j0 < s.first_key)
-      for_each_score<true, kBlockN, false>(sc, Tk, no_shift, scale_log2, last_col, s.first_key - j0, bias_and_max);
-    else
-      for_each_score<false, kBlockN, false>(sc, Tk, no_shift, scale_log2, last_col, s.first_key - j0, bias_and_max);
-    float correction[2];
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      float m = tile_max[hi];
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float new_max = fmaxf(row_max[hi], m - carry);
-      // A row that has seen no key yet keeps max -inf: subtract 0 instead (all its p are 0).
-      const float base_max = new_max == -INFINITY ? 0.f : new_max;
-      correction[hi] = exp2f(row_max[hi] - base_max);
-      row_max[hi] = new_max;
-      tile_max[hi] = base_max + carry;  // the exponent's shift in the frame of x'
-    }
-    // P in the A-operand layout: the accumulators of 8-column chunks 2k, 2k+1 form k-step k.
+    float correction[2], tile_sum[2];
+    softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
+                          s.first_key - j0, row_max, correction, tile_sum);
     uint32_t p_frag[kBlockN / 16][4];
-    float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int n = 0; n < kKeyChunks; ++n) {
-      const float p0 = exp2f(sc[4 * n + 0] - tile_max[0]), p1 = exp2f(sc[4 * n + 1] - tile_max[0]);
-      const float p2 = exp2f(sc[4 * n + 2] - tile_max[1]), p3 = exp2f(sc[4 * n + 3] - tile_max[1]);
-      tile_sum[0] += p0 + p1;
-      tile_sum[1] += p2 + p3;
-      p_frag[n / 2][(n & 1) * 2 + 0] = Mma::pack(p0, p1);
-      p_frag[n / 2][(n & 1) * 2 + 1] = Mma::pack(p2, p3);
-    }
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) row_sum[hi] = row_sum[hi] * correction[hi] + tile_sum[hi];
-#pragma unroll
-    for (int n = 0; n < kDimChunks; ++n) {
-      o[4 * n + 0] *= correction[0];
-      o[4 * n + 1] *= correction[0];
-      o[4 * n + 2] *= correction[1];
-      o[4 * n + 3] *= correction[1];
-    }
+    rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
 
     // O += P V
     fence_registers(o);
@@ -623,19 +687,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
 
-  float inv[2];  // 1 / the row's sum (0 for a row without keys)
-#pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
-    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
-    inv[hi] = row_sum[hi] == 0.f ? 0.f : 1.f / row_sum[hi];
-  }
+  float inv[2];
+  finish_row_sums(row_sum, inv);
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int r = row_of(hi);
     if (r >= nq) continue;
-    const bool empty = row_sum[hi] == 0.f;
-    const float lse2 = empty ? -INFINITY : row_max[hi] + log2f(row_sum[hi]) + rq[hi];
+    const float lse2 = row_lse2(row_sum[hi], row_max[hi], rq[hi]);
     if constexpr (kSplit) {
       const int64_t row = s.batch_index * p.seqlen_q + s.row_q + i0 + r;
       const int64_t slot = ((b % num_tiles) * p.num_heads + h) * split.total_rows + row;
@@ -658,6 +716,251 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
+
+// Warp-specialised forward (head dim 128, tiles by TMA), FlashAttention-3's schedule: a producer
+// warpgroup requests the tiles, two math warpgroups compute, and these take turns at the tensor
+// cores so that one's softmax runs while the other's products do.
+// - Producer: its first warp requests tiles 1, 2, ... into three stages (tile 0 and Q come by
+//   cp.async from the math threads, which zero-fill a partial tile); full[st] expects lane 0's
+//   transaction and the 32 lanes' T copies, empty[st] every math thread's release. Only the
+//   producer waits for a free stage, and its registers go to the math warpgroups (setmaxnreg).
+// - Math warpgroups: each issues S of tile it together with O += P V of tile it - 1, passes the
+//   turn, computes the softmax of tile it while both products run, then waits for P V, rescales
+//   O and packs the new P. Three stages: K of tile it and V of tile it - 1 are read at once.
+// - Turns (named barriers 4 + warpgroup): warpgroup 0 issues first, then they alternate; each
+//   issues n + 1 batches (S of tile 0, then S and P V, then P V of the last tile).
+// - Pruning: the producer makes the math threads' decision itself, on the same values from
+//   global memory (the same bits): it requests tile n only if tile n - 1 is not cut off, so the
+//   walk ends with no copy in flight.
+constexpr int kWsThreads = kThreads + 128;
+constexpr int kWsStages = 3;
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    forward_kernel_ws(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles,
+                      const __grid_constant__ TileMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Smem = ForwardSmem<kHeadDim, kWsStages>;
+  using GmmaS = typename Gmma<T, kBlockN>::SS;
+  using GmmaPV = typename Gmma<T, kHeadDim>::RS;
+  constexpr int kProducerArrivals = 1 + 32;  // lane 0's transaction, the 32 lanes' T copies
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
+  T* Qs = reinterpret_cast<T*>(base);
+  T* KV = Qs + Smem::kQ;  // stage s: K at KV + 2s * tile, V at KV + (2s + 1) * tile
+  float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + Smem::kBytesTiles + Smem::kBytesT);
+  uint64_t* empty = full + kWsStages;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
+
+  const QueryTile qt = block_query_tile(p, num_tiles, kBlockM);
+  if (qt.nq == 0) return;
+  const SequenceView s = qt.s;
+  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int nq = qt.nq;
+  const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+  const int64_t kt_top = L / kBlockN, kt_lo = s.first_key / kBlockN;
+  const int64_t n_tiles = kt_top - kt_lo + 1;
+  const float prune_log2 = p.prune_threshold * kLog2e;
+  const GateAnchor anchor(T_, a, s.len_k);
+  float carry = anchor.carry_at(kt_top);  // C of the tile walked
+  // Whether the largest bias of tile it (at its top key; T of its keys at Tk) is under the
+  // pruning threshold: the walk stops there.
+  auto pruned = [&](int64_t it, const float* Tk) {
+    return -(carry - Tk[min64(kBlockN - 1, L - (kt_top - it) * kBlockN)]) < prune_log2;
+  };
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kWsStages; ++st) {
+      mbarrier_init(full + st, kProducerArrivals);
+      mbarrier_init(empty + st, nq > 64 ? kThreads : kThreads / 2);  // the math threads that walk
+    }
+    fence_async_proxy();
+  }
+  __syncthreads();
+
+  if (wg == kWarpGroups) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (warp != 4 * kWarpGroups) return;
+    const int64_t kv_head = h / p.heads_per_kv_head();
+    for (int64_t it = 1; it < n_tiles; ++it) {
+      const int64_t j0 = (kt_top - it) * kBlockN;
+      if (prune_log2 > -INFINITY) {  // the math threads stop at tile it - 1?
+        const float* Tp = T_ + j0 + kBlockN;  // T of tile it - 1 (inside the sequence)
+        if (pruned(it - 1, Tp)) break;
+        carry -= Tp[0];
+      }
+      const int st = static_cast<int>(it % kWsStages);
+      // Tile it - 3 released; then its phase of full[st] is done too: that wait returns at once,
+      // it lets compute-sanitizer's synccheck see that no arrival overtakes a phase.
+      if (it >= kWsStages) {
+        const uint32_t parity = static_cast<uint32_t>((it / kWsStages - 1) & 1);
+        mbarrier_wait(empty + st, parity);
+        mbarrier_wait(full + st, parity);
+      }
+      T* Kn = KV + (2 * st) * Smem::kTile;
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(full + st, 2 * kBlockN * kHeadDim * sizeof(T));
+#pragma unroll
+        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+          tma_load(Kn + cb * kBlockN * 64, &maps.first, 64 * cb, s.row_k + j0, kv_head, s.batch_index, full + st);
+          tma_load(Kn + Smem::kTile + cb * kBlockN * 64, &maps.second, 64 * cb, s.row_k + j0, kv_head,
+                   s.batch_index, full + st);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kBlockN / 32; ++c)  // full tiles: every key inside the sequence
+        cp_async_4(Ts + st * kBlockN + 32 * c + lane, T_ + j0 + 32 * c + lane, true);
+      cp_async_arrive(full + st);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+  const int group = lane >> 2, quad = lane & 3;
+  const int warp_row0 = 64 * wg + 16 * (warp & 3);
+  const HeadPointers<T> hp = head_pointers<T>(p, s, h);
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const bool wg_live = 64 * wg < nq;
+  const bool turns = nq > 64;  // both warpgroups compute (the same choice in both)
+  auto math_barrier = [] { asm volatile("bar.sync 3, 256;" ::: "memory"); };
+  // Named barriers as immediates (a register id reserves all 16).
+  auto turn_wait = [&](bool first) {
+    if (!turns) return;
+    if (wg == 0) {
+      asm volatile("bar.sync 4, 256;" ::: "memory");
+    } else {
+      if (first) asm volatile("bar.arrive 4, 256;" ::: "memory");  // warpgroup 0 goes first
+      asm volatile("bar.sync 5, 256;" ::: "memory");
+    }
+  };
+  auto turn_pass = [&](bool last) {
+    if (!turns) return;
+    if (wg == 0)
+      asm volatile("bar.arrive 5, 256;" ::: "memory");
+    else if (!last)  // (nobody waits for warpgroup 1's last pass)
+      asm volatile("bar.arrive 4, 256;" ::: "memory");
+  };
+
+  load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
+  {
+    const int64_t j0 = kt_top * kBlockN;
+    const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
+    load_tile<T, kBlockN, kHeadDim>(KV, hp.k + j0 * hp.k_row, hp.k_row, nk);
+    load_tile<T, kBlockN, kHeadDim>(KV + Smem::kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    if (threadIdx.x < kBlockN) {
+      const int64_t j = j0 + threadIdx.x;
+      cp_async_4(Ts + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+    }
+    cp_async_commit();
+  }
+
+  auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
+  float rq[2];
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) rq[hi] = anchor.query_term(T_, min64(a + row_of(hi), L));
+
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float sc[kBlockN / 2];
+  uint32_t p_frag[kBlockN / 16][4];
+
+  cp_async_wait<0>();
+  fence_async_proxy();
+  math_barrier();
+  if (threadIdx.x == 0)  // tile 0 completes full[0]'s first phase as the producer's tiles do theirs
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(full)),
+                 "r"(kProducerArrivals)
+                 : "memory");
+
+  auto stage_of = [](int64_t it) { return warp_uniform(static_cast<int>(it % kWsStages)); };
+  // (A thread arrives on a barrier only after the phase of its previous arrival there is done,
+  // as compute-sanitizer's synccheck asks: at once here, the stage was reloaded since.)
+  auto release = [&](int64_t it) { mbarrier_arrive(empty + it % kWsStages); };
+  auto wait_loaded = [&](int64_t it) {
+    mbarrier_wait(full + it % kWsStages, static_cast<uint32_t>((it / kWsStages) & 1));
+  };
+  // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
+  // rescaled later, once the P V in flight has landed.
+  auto softmax = [&](int64_t it, float (&correction)[2], float (&tile_sum)[2]) {
+    const int64_t j0 = (kt_top - it) * kBlockN;
+    const float* Tk = Ts + stage_of(it) * kBlockN;
+    const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+    softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
+                          s.first_key - j0, row_max, correction, tile_sum);
+    carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
+  };
+  auto rescale_and_pack_ = [&](const float (&correction)[2], const float (&tile_sum)[2]) {
+    rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+  };
+
+  // A warpgroup whose rows all lie past the last query does not walk (then the other takes no
+  // turns, and the stages wait for its releases only).
+  if (wg_live && !pruned(0, Ts)) {
+    // Tile 0: S alone.
+    turn_wait(true);
+    cute::warpgroup_arrive();
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, KV, sc);
+    cute::warpgroup_commit_batch();
+    turn_pass(false);
+    cute::warpgroup_wait<0>();
+    fence_registers(sc);
+    {
+      float correction[2], tile_sum[2];
+      softmax(0, correction, tile_sum);
+      rescale_and_pack_(correction, tile_sum);
+    }
+    int64_t it = 1;
+    for (; it < n_tiles; ++it) {
+      wait_loaded(it);
+      if (pruned(it, Ts + stage_of(it) * kBlockN)) break;
+      const T* Ks = KV + (2 * stage_of(it)) * Smem::kTile;
+      const T* Vp = KV + (2 * stage_of(it - 1) + 1) * Smem::kTile;  // V of the previous tile
+      turn_wait(false);
+      fence_registers(o);
+      cute::warpgroup_arrive();
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
+      cute::warpgroup_commit_batch();
+      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vp, o);
+      cute::warpgroup_commit_batch();
+      turn_pass(false);
+      cute::warpgroup_wait<1>();
+      fence_registers(sc);
+      float correction[2], tile_sum[2];
+      softmax(it, correction, tile_sum);
+      cute::warpgroup_wait<0>();
+      fence_registers(o);
+      release(it - 1);
+      rescale_and_pack_(correction, tile_sum);
+    }
+    // P V of the last tile computed.
+    turn_wait(false);
+    fence_registers(o);
+    cute::warpgroup_arrive();
+    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, KV + (2 * stage_of(it - 1) + 1) * Smem::kTile, o);
+    cute::warpgroup_commit_batch();
+    turn_pass(true);
+    cute::warpgroup_wait<0>();
+    fence_registers(o);
+    release(it - 1);
+  }
+
+  float inv[2];
+  finish_row_sums(row_sum, inv);
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi)
+    if (row_of(hi) < nq && quad == 0)
+      static_cast<float*>(p.lse)[row_stat_offset(p, s, h) + i0 + row_of(hi)] =
+          row_lse2(row_sum[hi], row_max[hi], rq[hi]) * kLn2;
+  math_barrier();
+  T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + (s.row_q + i0) * p.o_row_stride +
+           h * p.o_head_stride;
+  store_rows_staged<T, kBlockM, kHeadDim>(Qs, o, inv, out, p.o_row_stride, nq);
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
 }  // namespace fox::cuda::hopper
 
 namespace fox::cuda {
@@ -673,10 +976,19 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
   const int64_t tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = tiles * p.num_heads * p.batch;
   if (blocks == 0) return;
+  const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
+  if constexpr (FOX_HOPPER_FWD_WS && (kHeadDim == 128 || FOX_HOPPER_FWD_WS_64)) {
+    if (maps.enabled) {
+      auto kernel = forward_kernel_ws<T, kHeadDim>;
+      constexpr size_t smem = ForwardSmem<kHeadDim, kWsStages>::kAllocBytes;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      kernel<<<static_cast<unsigned>(blocks), kWsThreads, smem, stream>>>(p, gate_suffix, tiles, maps);
+      return;
+    }
+  }
   auto kernel = forward_kernel<T, kHeadDim, false>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles, maps);
 }
 
