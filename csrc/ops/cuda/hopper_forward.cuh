@@ -497,14 +497,13 @@ __device__ __forceinline__ float row_lse2(float row_sum, float row_max, float rq
   return row_sum == 0.f ? -INFINITY : row_max + log2f(row_sum) + rq;
 }
 
-template <int kHeadDim, int kStages = 2>
+template <int kHeadDim>
 struct ForwardSmem {
   static constexpr int kQ = kBlockM * kHeadDim;     // elements
   static constexpr int kTile = kBlockN * kHeadDim;  // one K or V tile
-  static constexpr size_t kBytesTiles = 2 * (kQ + 2 * kStages * kTile);  // Q, the stages of (K, V)
-  static constexpr size_t kBytesT = sizeof(float) * kStages * kBlockN;  // the stages of T
-  static constexpr size_t kBytesBarriers = 2 * kStages * sizeof(uint64_t);  // full, empty per stage
-  static constexpr size_t kBytes = kBytesTiles + kBytesT + kBytesBarriers;
+  static constexpr size_t kBytesTiles = 2 * (kQ + 4 * kTile);  // Q, 2 stages of (K, V)
+  static constexpr size_t kBytesT = sizeof(float) * 2 * kBlockN;  // 2 stages of T
+  static constexpr size_t kBytes = kBytesTiles + kBytesT + TileHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -717,40 +716,152 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 }
 
 
+// The stages of a warp-specialised kernel's walk over key tiles (K, V and the keys' T), between
+// its producer warp and its math warpgroups: tile it sits in stage it % kStages. Tile 0 (and the
+// rows the block keeps) come by cp.async from the math threads, which zero-fill a partial tile;
+// the producer's first warp requests tiles 1, 2, ...: full[st] expects lane 0's transaction and
+// its 32 lanes' T copies, empty[st] every walking math thread's release. Only the producer waits
+// for a free stage.
+// Pruning: the producer takes the math threads' decision itself, on the same T values from global
+// memory (the same bits): it requests tile n only if tile n - 1 is not cut off, so a walk ends with
+// no copy in flight. C (carry) moves down at each 128-key boundary, as in the math threads.
+template <typename T, int kKeys, int kHeadDim, int kStages>
+struct KeyTilePipeline {
+  static constexpr int kTile = kKeys * kHeadDim;  // elements of one K or V tile
+  static constexpr int kProducerArrivals = 1 + 32;
+  static constexpr size_t kBytesTiles = 2 * 2 * kStages * size_t{kTile};  // the stages of (K, V)
+  static constexpr size_t kBytesT = sizeof(float) * kStages * kKeys;
+  static constexpr size_t kBytesBarriers = 2 * kStages * sizeof(uint64_t);
+  T* KV;       // stage s: K at KV + 2s * kTile, V at KV + (2s + 1) * kTile
+  float* Ts;   // stage s: T of its keys at Ts + s * kKeys
+  uint64_t* full;
+  uint64_t* empty;
+
+  // Thread 0 initialises the barriers (walkers: the math threads that walk); a block barrier
+  // must follow.
+  __device__ __forceinline__ KeyTilePipeline(T* kv, float* ts, uint64_t* barriers, int walkers)
+      : KV(kv), Ts(ts), full(barriers), empty(barriers + kStages) {
+    if (threadIdx.x != 0) return;
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full + st, kProducerArrivals);
+      mbarrier_init(empty + st, walkers);
+    }
+    fence_async_proxy();
+  }
+  __device__ __forceinline__ int stage(int64_t it) const { return warp_uniform(static_cast<int>(it % kStages)); }
+  __device__ __forceinline__ const T* keys(int64_t it) const { return KV + 2 * stage(it) * kTile; }
+  __device__ __forceinline__ const T* values(int64_t it) const { return KV + (2 * stage(it) + 1) * kTile; }
+  __device__ __forceinline__ const float* suffix(int64_t it) const { return Ts + stage(it) * kKeys; }
+  // Math threads.
+  __device__ __forceinline__ void wait_loaded(int64_t it) const {
+    mbarrier_wait(full + it % kStages, static_cast<uint32_t>((it / kStages) & 1));
+  }
+  __device__ __forceinline__ void release(int64_t it) const { mbarrier_arrive(empty + it % kStages); }
+  // Thread 0, once the math threads' copies of tile 0 have landed (and a barrier among them):
+  // full[0]'s first phase completes as the producer's tiles complete theirs.
+  __device__ __forceinline__ void tile0_loaded() const {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(full)),
+                 "r"(kProducerArrivals)
+                 : "memory");
+  }
+  // The producer's first warp: tiles 1 .. n_tiles - 1 (key tile kt_top - it, all full and inside
+  // the sequence) of K and V by TMA, their T (T_: the sequence's) by cp.async. C of tile 0 is
+  // `carry`; the walk stops after a tile whose top key's bias is under prune_log2.
+  __device__ __forceinline__ void produce(const TileMaps& maps, const float* T_, int64_t kt_top, int64_t n_tiles,
+                                          float carry, int64_t L, float prune_log2, int64_t row_k,
+                                          int64_t kv_head, int64_t batch) const {
+    const int lane = threadIdx.x & 31;
+    for (int64_t it = 1; it < n_tiles; ++it) {
+      const int64_t j0 = (kt_top - it) * kKeys;
+      if (prune_log2 > -INFINITY) {  // do the math threads stop at tile it - 1?
+        const float* Tp = T_ + j0 + kKeys;  // T of tile it - 1 (inside the sequence)
+        if (-(carry - Tp[min64(kKeys - 1, L - (j0 + kKeys))]) < prune_log2) break;
+        if ((j0 + kKeys) % kBlockN == 0) carry -= Tp[0];
+      }
+      const int st = static_cast<int>(it % kStages);
+      // Tile it - kStages released; then its phase of full[st] is done too: that wait returns at
+      // once, it lets compute-sanitizer's synccheck see that no arrival overtakes a phase.
+      if (it >= kStages) {
+        const uint32_t parity = static_cast<uint32_t>((it / kStages - 1) & 1);
+        mbarrier_wait(empty + st, parity);
+        mbarrier_wait(full + st, parity);
+      }
+      T* Kn = KV + 2 * st * kTile;
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(full + st, 2 * kTile * sizeof(T));
+#pragma unroll
+        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+          tma_load(Kn + cb * kKeys * 64, &maps.first, 64 * cb, row_k + j0, kv_head, batch, full + st);
+          tma_load(Kn + kTile + cb * kKeys * 64, &maps.second, 64 * cb, row_k + j0, kv_head, batch, full + st);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kKeys / 32; ++c)
+        cp_async_4(Ts + st * kKeys + 32 * c + lane, T_ + j0 + 32 * c + lane, true);
+      cp_async_arrive(full + st);
+    }
+    cp_async_wait<0>();
+  }
+};
+
+// Turns of a warp-specialised kernel's math warpgroups at the tensor cores: the warpgroups with rows
+// (n_live of the two) alternate, warpgroup 0 first; warpgroup k waits on named barrier 4 + k (its
+// 128 threads and the other's 128, which arrive there when they pass). Each takes the same number
+// of turns.
+struct MathTurns {
+  int wg, n_live;
+  __device__ __forceinline__ void wait(bool first) const {
+    if (n_live < 2) return;
+    if (wg == 0) {
+      asm volatile("bar.sync 4, 256;" ::: "memory");
+    } else {
+      if (first) asm volatile("bar.arrive 4, 256;" ::: "memory");  // warpgroup 0 goes first
+      asm volatile("bar.sync 5, 256;" ::: "memory");
+    }
+  }
+  __device__ __forceinline__ void pass(bool last) const {
+    if (n_live < 2) return;
+    if (wg == 0)
+      asm volatile("bar.arrive 5, 256;" ::: "memory");
+    else if (!last)  // (nobody waits for warpgroup 1's last pass)
+      asm volatile("bar.arrive 4, 256;" ::: "memory");
+  }
+};
+// The math threads (both math warpgroups) meet: named barrier 3.
+__device__ __forceinline__ void math_barrier() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
+
 // Warp-specialised forward (head dim 128, tiles by TMA), FlashAttention-3's schedule: a producer
-// warpgroup requests the tiles, two math warpgroups compute, and these take turns at the tensor
-// cores so that one's softmax runs while the other's products do.
-// - Producer: its first warp requests tiles 1, 2, ... into three stages (tile 0 and Q come by
-//   cp.async from the math threads, which zero-fill a partial tile); full[st] expects lane 0's
-//   transaction and the 32 lanes' T copies, empty[st] every math thread's release. Only the
-//   producer waits for a free stage, and its registers go to the math warpgroups (setmaxnreg).
-// - Math warpgroups: each issues S of tile it together with O += P V of tile it - 1, passes the
-//   turn, computes the softmax of tile it while both products run, then waits for P V, rescales
-//   O and packs the new P. Three stages: K of tile it and V of tile it - 1 are read at once.
-// - Turns (named barriers 4 + warpgroup): warpgroup 0 issues first, then they alternate; each
-//   issues n + 1 batches (S of tile 0, then S and P V, then P V of the last tile).
-// - Pruning: the producer makes the math threads' decision itself, on the same values from
-//   global memory (the same bits): it requests tile n only if tile n - 1 is not cut off, so the
-//   walk ends with no copy in flight.
+// warpgroup requests the tiles (KeyTilePipeline, three stages), two math warpgroups compute, and
+// these take turns at the tensor cores (MathTurns) so that one's softmax runs while the other's
+// products do. Each math warpgroup issues S of tile it together with O += P V of tile it - 1,
+// passes the turn, computes the softmax of tile it while both products run, then waits for P V,
+// rescales O and packs the new P: K of tile it and V of tile it - 1 are read at once, hence three
+// stages. The producer's registers go to the math warpgroups (setmaxnreg: 240 each). A warpgroup
+// whose rows all lie past the last query does not walk.
 constexpr int kWsThreads = kThreads + 128;
 constexpr int kWsStages = 3;
+template <typename T, int kHeadDim>
+using ForwardPipeline = KeyTilePipeline<T, kBlockN, kHeadDim, kWsStages>;
+template <typename T, int kHeadDim>
+struct ForwardWsSmem {
+  using Pipeline = ForwardPipeline<T, kHeadDim>;
+  static constexpr int kQ = kBlockM * kHeadDim;  // elements
+  static constexpr size_t kBytesQ = sizeof(T) * kQ;
+  static constexpr size_t kBytes = kBytesQ + Pipeline::kBytesTiles + Pipeline::kBytesT + Pipeline::kBytesBarriers;
+  static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
+};
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kWsThreads, 1)
     forward_kernel_ws(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles,
                       const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Smem = ForwardSmem<kHeadDim, kWsStages>;
+  using Smem = ForwardWsSmem<T, kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
   using GmmaPV = typename Gmma<T, kHeadDim>::RS;
-  constexpr int kProducerArrivals = 1 + 32;  // lane 0's transaction, the 32 lanes' T copies
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
   T* Qs = reinterpret_cast<T*>(base);
-  T* KV = Qs + Smem::kQ;  // stage s: K at KV + 2s * tile, V at KV + (2s + 1) * tile
-  float* Ts = reinterpret_cast<float*>(base + Smem::kBytesTiles);
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + Smem::kBytesTiles + Smem::kBytesT);
-  uint64_t* empty = full + kWsStages;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
 
   const QueryTile qt = block_query_tile(p, num_tiles, kBlockM);
@@ -758,61 +869,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const SequenceView s = qt.s;
   const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
   const int nq = qt.nq;
+  const int n_live = nq > 64 ? 2 : 1;  // math warpgroups with rows: they walk
   const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
   const int64_t kt_top = L / kBlockN, kt_lo = s.first_key / kBlockN;
   const int64_t n_tiles = kt_top - kt_lo + 1;
   const float prune_log2 = p.prune_threshold * kLog2e;
   const GateAnchor anchor(T_, a, s.len_k);
   float carry = anchor.carry_at(kt_top);  // C of the tile walked
-  // Whether the largest bias of tile it (at its top key; T of its keys at Tk) is under the
-  // pruning threshold: the walk stops there.
-  auto pruned = [&](int64_t it, const float* Tk) {
-    return -(carry - Tk[min64(kBlockN - 1, L - (kt_top - it) * kBlockN)]) < prune_log2;
-  };
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kWsStages; ++st) {
-      mbarrier_init(full + st, kProducerArrivals);
-      mbarrier_init(empty + st, nq > 64 ? kThreads : kThreads / 2);  // the math threads that walk
-    }
-    fence_async_proxy();
-  }
+  unsigned char* tiles = base + Smem::kBytesQ;
+  const ForwardPipeline<T, kHeadDim> pipe(
+      reinterpret_cast<T*>(tiles), reinterpret_cast<float*>(tiles + Smem::Pipeline::kBytesTiles),
+      reinterpret_cast<uint64_t*>(tiles + Smem::Pipeline::kBytesTiles + Smem::Pipeline::kBytesT), 128 * n_live);
   __syncthreads();
 
   if (wg == kWarpGroups) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (warp != 4 * kWarpGroups) return;
-    const int64_t kv_head = h / p.heads_per_kv_head();
-    for (int64_t it = 1; it < n_tiles; ++it) {
-      const int64_t j0 = (kt_top - it) * kBlockN;
-      if (prune_log2 > -INFINITY) {  // the math threads stop at tile it - 1?
-        const float* Tp = T_ + j0 + kBlockN;  // T of tile it - 1 (inside the sequence)
-        if (pruned(it - 1, Tp)) break;
-        carry -= Tp[0];
-      }
-      const int st = static_cast<int>(it % kWsStages);
-      // Tile it - 3 released; then its phase of full[st] is done too: that wait returns at once,
-      // it lets compute-sanitizer's synccheck see that no arrival overtakes a phase.
-      if (it >= kWsStages) {
-        const uint32_t parity = static_cast<uint32_t>((it / kWsStages - 1) & 1);
-        mbarrier_wait(empty + st, parity);
-        mbarrier_wait(full + st, parity);
-      }
-      T* Kn = KV + (2 * st) * Smem::kTile;
-      if (lane == 0) {
-        mbarrier_arrive_expect_tx(full + st, 2 * kBlockN * kHeadDim * sizeof(T));
-#pragma unroll
-        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-          tma_load(Kn + cb * kBlockN * 64, &maps.first, 64 * cb, s.row_k + j0, kv_head, s.batch_index, full + st);
-          tma_load(Kn + Smem::kTile + cb * kBlockN * 64, &maps.second, 64 * cb, s.row_k + j0, kv_head,
-                   s.batch_index, full + st);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kBlockN / 32; ++c)  // full tiles: every key inside the sequence
-        cp_async_4(Ts + st * kBlockN + 32 * c + lane, T_ + j0 + 32 * c + lane, true);
-      cp_async_arrive(full + st);
-    }
-    cp_async_wait<0>();
+    if (warp == 4 * kWarpGroups)
+      pipe.produce(maps, T_, kt_top, n_tiles, carry, L, prune_log2, s.row_k, h / p.heads_per_kv_head(),
+                   s.batch_index);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
@@ -821,36 +895,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int warp_row0 = 64 * wg + 16 * (warp & 3);
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const bool wg_live = 64 * wg < nq;
-  const bool turns = nq > 64;  // both warpgroups compute (the same choice in both)
-  auto math_barrier = [] { asm volatile("bar.sync 3, 256;" ::: "memory"); };
-  // Named barriers as immediates (a register id reserves all 16).
-  auto turn_wait = [&](bool first) {
-    if (!turns) return;
-    if (wg == 0) {
-      asm volatile("bar.sync 4, 256;" ::: "memory");
-    } else {
-      if (first) asm volatile("bar.arrive 4, 256;" ::: "memory");  // warpgroup 0 goes first
-      asm volatile("bar.sync 5, 256;" ::: "memory");
-    }
-  };
-  auto turn_pass = [&](bool last) {
-    if (!turns) return;
-    if (wg == 0)
-      asm volatile("bar.arrive 5, 256;" ::: "memory");
-    else if (!last)  // (nobody waits for warpgroup 1's last pass)
-      asm volatile("bar.arrive 4, 256;" ::: "memory");
-  };
+  const MathTurns turns{wg, n_live};
 
   load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
   {
     const int64_t j0 = kt_top * kBlockN;
     const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
-    load_tile<T, kBlockN, kHeadDim>(KV, hp.k + j0 * hp.k_row, hp.k_row, nk);
-    load_tile<T, kBlockN, kHeadDim>(KV + Smem::kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
+    load_tile<T, kBlockN, kHeadDim>(pipe.KV, hp.k + j0 * hp.k_row, hp.k_row, nk);
+    load_tile<T, kBlockN, kHeadDim>(pipe.KV + pipe.kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
     if (threadIdx.x < kBlockN) {
       const int64_t j = j0 + threadIdx.x;
-      cp_async_4(Ts + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+      cp_async_4(pipe.Ts + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
     cp_async_commit();
   }
@@ -870,81 +925,69 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   cp_async_wait<0>();
   fence_async_proxy();
   math_barrier();
-  if (threadIdx.x == 0)  // tile 0 completes full[0]'s first phase as the producer's tiles do theirs
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(full)),
-                 "r"(kProducerArrivals)
-                 : "memory");
+  if (threadIdx.x == 0) pipe.tile0_loaded();
 
-  auto stage_of = [](int64_t it) { return warp_uniform(static_cast<int>(it % kWsStages)); };
-  // (A thread arrives on a barrier only after the phase of its previous arrival there is done,
-  // as compute-sanitizer's synccheck asks: at once here, the stage was reloaded since.)
-  auto release = [&](int64_t it) { mbarrier_arrive(empty + it % kWsStages); };
-  auto wait_loaded = [&](int64_t it) {
-    mbarrier_wait(full + it % kWsStages, static_cast<uint32_t>((it / kWsStages) & 1));
+  // Whether the largest bias of tile it (at its top key) is under the pruning threshold: the walk
+  // stops there (the producer decides alike).
+  auto pruned = [&](int64_t it) {
+    return -(carry - pipe.suffix(it)[min64(kBlockN - 1, L - (kt_top - it) * kBlockN)]) < prune_log2;
   };
   // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
   // rescaled later, once the P V in flight has landed.
   auto softmax = [&](int64_t it, float (&correction)[2], float (&tile_sum)[2]) {
     const int64_t j0 = (kt_top - it) * kBlockN;
-    const float* Tk = Ts + stage_of(it) * kBlockN;
+    const float* Tk = pipe.suffix(it);
     const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
     softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
                           s.first_key - j0, row_max, correction, tile_sum);
     carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
   };
-  auto rescale_and_pack_ = [&](const float (&correction)[2], const float (&tile_sum)[2]) {
-    rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
-  };
 
-  // A warpgroup whose rows all lie past the last query does not walk (then the other takes no
-  // turns, and the stages wait for its releases only).
-  if (wg_live && !pruned(0, Ts)) {
+  if (wg < n_live && !pruned(0)) {
     // Tile 0: S alone.
-    turn_wait(true);
+    turns.wait(true);
     cute::warpgroup_arrive();
-    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, KV, sc);
+    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(0), sc);
     cute::warpgroup_commit_batch();
-    turn_pass(false);
+    turns.pass(false);
     cute::warpgroup_wait<0>();
     fence_registers(sc);
     {
       float correction[2], tile_sum[2];
       softmax(0, correction, tile_sum);
-      rescale_and_pack_(correction, tile_sum);
+      rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
     }
     int64_t it = 1;
     for (; it < n_tiles; ++it) {
-      wait_loaded(it);
-      if (pruned(it, Ts + stage_of(it) * kBlockN)) break;
-      const T* Ks = KV + (2 * stage_of(it)) * Smem::kTile;
-      const T* Vp = KV + (2 * stage_of(it - 1) + 1) * Smem::kTile;  // V of the previous tile
-      turn_wait(false);
+      pipe.wait_loaded(it);
+      if (pruned(it)) break;
+      turns.wait(false);
       fence_registers(o);
       cute::warpgroup_arrive();
-      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(it), sc);
       cute::warpgroup_commit_batch();
-      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vp, o);
+      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(it - 1), o);
       cute::warpgroup_commit_batch();
-      turn_pass(false);
+      turns.pass(false);
       cute::warpgroup_wait<1>();
       fence_registers(sc);
       float correction[2], tile_sum[2];
       softmax(it, correction, tile_sum);
       cute::warpgroup_wait<0>();
       fence_registers(o);
-      release(it - 1);
-      rescale_and_pack_(correction, tile_sum);
+      pipe.release(it - 1);
+      rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
     }
     // P V of the last tile computed.
-    turn_wait(false);
+    turns.wait(false);
     fence_registers(o);
     cute::warpgroup_arrive();
-    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, KV + (2 * stage_of(it - 1) + 1) * Smem::kTile, o);
+    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(it - 1), o);
     cute::warpgroup_commit_batch();
-    turn_pass(true);
+    turns.pass(true);
     cute::warpgroup_wait<0>();
     fence_registers(o);
-    release(it - 1);
+    pipe.release(it - 1);
   }
 
   float inv[2];
@@ -980,7 +1023,7 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
   if constexpr (FOX_HOPPER_FWD_WS && (kHeadDim == 128 || FOX_HOPPER_FWD_WS_64)) {
     if (maps.enabled) {
       auto kernel = forward_kernel_ws<T, kHeadDim>;
-      constexpr size_t smem = ForwardSmem<kHeadDim, kWsStages>::kAllocBytes;
+      constexpr size_t smem = ForwardWsSmem<T, kHeadDim>::kAllocBytes;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       kernel<<<static_cast<unsigned>(blocks), kWsThreads, smem, stream>>>(p, gate_suffix, tiles, maps);
       return;
