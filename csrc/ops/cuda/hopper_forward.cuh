@@ -715,7 +715,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-
 // The stages of a warp-specialised kernel's walk over key tiles (K, V and the keys' T), between
 // its producer warp and its math warpgroups: tile it sits in stage it % kStages. Tile 0 (and the
 // rows the block keeps) come by cp.async from the math threads, which zero-fill a partial tile;
