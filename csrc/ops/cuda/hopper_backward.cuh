@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
     const T* Vs = Ks + Smem::kKV;
     const float* Tk = Ts + st * kKeys;
     handoff.wait_loaded(it);
-    if (-(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2) break;
+    if (walk_stops_at<kKeys>(carry, Tk, j0, L, prune_log2)) break;
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);

@@ -414,6 +414,16 @@ struct GateAnchor {
   }
 };
 
+// Pruning: whether a walk down the key tiles stops at the tile whose keys start at j0 (T of its
+// keys at Tk, C of its 128-tile `carry`, L the walk's last key): its largest bias, at its top key,
+// under the threshold. One function for every place that decides, so that the producer of a
+// warp-specialised walk and its math threads decide alike, bit for bit.
+template <int kKeys>
+__device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, int64_t j0, int64_t L,
+                                              float prune_log2) {
+  return -(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2;
+}
+
 // The online softmax of one key tile for this thread's two query rows, log2 domain: the scores
 // sc of S = Q K^T become x = S * scale_log2 + T_j (masked to -inf where `masked` and outside
 // (first_col, last_col[hi]]), the row maxima move, and sc ends holding p = exp2(x - max). The
@@ -633,8 +643,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     const T* Vs = Ks + Smem::kTile;
     const float* Tk = Ts + stage * kBlockN;  // T of this tile's keys
     handoff.wait_loaded(it);
-    // The largest bias of the tile is at its top key; the same decision in every thread.
-    if (-(carry - Tk[min64(kBlockN - 1, L - j0)]) < prune_log2) break;
+    if (walk_stops_at<kBlockN>(carry, Tk, j0, L, prune_log2)) break;  // (the same in every thread)
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
@@ -774,7 +783,7 @@ struct KeyTilePipeline {
       const int64_t j0 = (kt_top - it) * kKeys;
       if (prune_log2 > -INFINITY) {  // do the math threads stop at tile it - 1?
         const float* Tp = T_ + j0 + kKeys;  // T of tile it - 1 (inside the sequence)
-        if (-(carry - Tp[min64(kKeys - 1, L - (j0 + kKeys))]) < prune_log2) break;
+        if (walk_stops_at<kKeys>(carry, Tp, j0 + kKeys, L, prune_log2)) break;
         if ((j0 + kKeys) % kBlockN == 0) carry -= Tp[0];
       }
       const int st = static_cast<int>(it % kStages);
@@ -929,7 +938,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // Whether the largest bias of tile it (at its top key) is under the pruning threshold: the walk
   // stops there (the producer decides alike).
   auto pruned = [&](int64_t it) {
-    return -(carry - pipe.suffix(it)[min64(kBlockN - 1, L - (kt_top - it) * kBlockN)]) < prune_log2;
+    return walk_stops_at<kBlockN>(carry, pipe.suffix(it), (kt_top - it) * kBlockN, L, prune_log2);
   };
   // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
   // rescaled later, once the P V in flight has landed.
