@@ -61,7 +61,7 @@ __global__ void checksum(const __nv_bfloat16* x, size_t n, double* partial) {
 }
 
 template <int D>
-void run(int N, int reps) {
+void run(int N, int reps, bool fused) {
   const int B = 16384 / N, H = D == 64 ? 32 : 16;
   const size_t n = size_t{1} * B * N * H * D, ns = size_t{1} * B * H * N;
   __nv_bfloat16* t[8];  // q, k, v, out, dout, dq, dk, dv
@@ -106,6 +106,9 @@ void run(int N, int reps) {
   ws.dc = dc;
   ws.dq_rowsum = rowsum;
   ws.query_bias = query_bias;
+  // --nondeterministic: the fused backward, its float32 dQ accumulator zeroed in the timed part
+  const size_t acc_bytes = (ns + 128) * (D + 4) * sizeof(float);
+  if (fused) check(cudaMalloc(&ws.dq_accum, acc_bytes), "dQ accumulator");
 
   cudaEvent_t e[3];
   for (auto& x : e) check(cudaEventCreate(&x), "event");
@@ -114,6 +117,7 @@ void run(int N, int reps) {
     check(cudaEventRecord(e[0]), "record");
     fox::cuda::run_hopper_forward<__nv_bfloat16, D>(p, suffix, N, N, 0);
     check(cudaEventRecord(e[1]), "record");
+    if (fused) check(cudaMemsetAsync(ws.dq_accum, 0, acc_bytes, 0), "zero");
     fox::cuda::run_hopper_backward<__nv_bfloat16, D>(p, ws, suffix, N, N, 0);
     check(cudaEventRecord(e[2]), "record");
     check(cudaEventSynchronize(e[2]), "run");
@@ -145,22 +149,26 @@ void run(int N, int reps) {
   for (auto x : t) check(cudaFree(x), "free");
   for (float* x : {g, lse, suffix, delta, dc, rowsum, query_bias, dg}) check(cudaFree(x), "free");
   check(cudaFree(partial), "free");
+  if (fused) check(cudaFree(ws.dq_accum), "free");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 20, only_d = 0;
+  bool fused = false;
   std::vector<int> lengths;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
       reps = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--d") && i + 1 < argc) {
       only_d = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--nondeterministic")) {
+      fused = true;
     } else if (std::atoi(argv[i]) >= 128 && std::atoi(argv[i]) <= 16384 && 16384 % std::atoi(argv[i]) == 0) {
       lengths.push_back(std::atoi(argv[i]));
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [N ...] (N divides 16384)\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [--nondeterministic] [N ...] (N divides 16384)\n", argv[0]);
       return 2;
     }
   }
@@ -176,9 +184,9 @@ int main(int argc, char** argv) {
     if (only_d != 0 && d != only_d) continue;
     for (int n : lengths) {
       if (d == 64)
-        run<64>(n, reps);
+        run<64>(n, reps, fused);
       else
-        run<128>(n, reps);
+        run<128>(n, reps, fused);
     }
   }
   return 0;

@@ -405,6 +405,67 @@ def test_deterministic(device, kv_heads):
         assert torch.equal(a, b), name
 
 
+FUSED_BACKWARD_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, seq_start, varlen lengths, threshold)
+    ("d128", 2, 300, 300, 2, 2, 128, None, None, None),
+    ("d64", 2, 300, 300, 2, 2, 64, None, None, None),
+    ("gqa_tq_lt_tk_partial_tiles", 1, 97, 400, 4, 2, 128, None, None, None),
+    ("gqa_d64", 1, 260, 260, 4, 1, 64, None, None, None),
+    ("seq_start", 2, 300, 300, 2, 2, 64, [0, 170], None, None),
+    ("varlen_d128", 1, 0, 0, 2, 1, 128, None, [5, 0, 200, 131], None),
+    ("varlen_d64", 1, 0, 0, 2, 2, 64, None, [130, 1, 257], None),
+    ("threshold", 2, 300, 300, 2, 2, 128, None, None, -30.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("case", FUSED_BACKWARD_CASES, ids=[c[0] for c in FUSED_BACKWARD_CASES])
+def test_nondeterministic_backward(monkeypatch, case):
+    """FOX_NONDETERMINISTIC_BACKWARD=1: on Hopper, the five-product backward whose dQ is added up
+    in float32 in any order (FOX_FUSED_BACKWARD_MIN_LEN=0: at every length). Same 2x rule against
+    the float64 reference; torch.use_deterministic_algorithms(True) turns it off."""
+    name, B, Tq, Tk, H, Hkv, D, starts, lengths, threshold = case
+    cu_seqlens = seq_start = None
+    if lengths is not None:
+        Tq = Tk = sum(lengths)
+        cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda",
+                                  dtype=torch.int32)
+    if starts is not None:
+        seq_start = torch.tensor(starts, device="cuda")
+    q, k, v, g = make_inputs(B=B, Tq=Tq, Tk=Tk, H=H, Hkv=Hkv, D=D, dtype=torch.bfloat16,
+                             device="cuda")
+    grad_out = torch.randn(q.shape, device="cuda")
+    opts = dict(seq_start=seq_start, cu_seqlens=cu_seqlens)
+    run = lambda *x: op(*x, seq_start, cu_seqlens, None, threshold)  # noqa: E731
+    deterministic = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
+    monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
+    monkeypatch.setenv("FOX_FUSED_BACKWARD_MIN_LEN", "0")
+    out, grads = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
+    ref, ref_grads = forward_backward(lambda *x: naive_attention(*x, **opts),
+                                      [x.double() for x in (q, k, v, g)], grad_out.double())
+    naive, naive_grads = forward_backward(lambda *x: naive_attention(*x, **opts, dtype=q.dtype),
+                                          (q, k, v, g), grad_out.to(q.dtype))
+    problems = rule_violations(("out",) + GRAD_NAMES, [out] + grads, [ref] + ref_grads,
+                               [naive] + naive_grads, q.dtype)
+    assert not problems, f"[{name}] " + "; ".join(problems)
+    # The forward, dK and dV are the deterministic kernels' arithmetic; dQ and the gate gradient
+    # differ by the order of float32 additions.
+    assert torch.equal(out, deterministic[0])
+    for grad_name, a, b in zip(GRAD_NAMES, grads, deterministic[1]):
+        if grad_name in ("dk", "dv"):
+            assert torch.equal(a, b), grad_name
+        else:
+            torch.testing.assert_close(a, b, **same_math_tol(q.dtype))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        again = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for grad_name, a, b in zip(GRAD_NAMES, again[1], deterministic[1]):
+        assert torch.equal(a, b), grad_name
+
+
 TMA_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, layout)
     ("padded", 2, 700, 700, 4, 4, 64, "bthd"),
     ("gqa_tq_lt_tk", 1, 300, 900, 4, 2, 128, "bthd"),

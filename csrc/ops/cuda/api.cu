@@ -75,6 +75,20 @@ bool hopper_kernels_enabled() {
   return enabled;
 }
 
+// FOX_NONDETERMINISTIC_BACKWARD=1: the Hopper backward in one kernel of five products per tile
+// pair, dQ accumulated by float32 reductions in whatever order the tiles finish (not bitwise
+// reproducible), where it is faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries
+// (default 4096; below, the memset and conversion of its float32 accumulator cost more than the two
+// products it saves). Off under torch.use_deterministic_algorithms(True). The default is the
+// deterministic two-kernel backward. Read per call (tests set them).
+bool fused_backward(int64_t max_len_q) {
+  const char* v = std::getenv("FOX_NONDETERMINISTIC_BACKWARD");
+  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;
+  if (at::globalContext().deterministicAlgorithms()) return false;
+  const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
+  return max_len_q >= (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 4096);
+}
+
 // FOX_DISABLE_DECODE_KERNEL=1 sends decoding to the prefill kernels' split-KV path (comparisons).
 bool decode_kernel_enabled() {
   static const bool enabled = [] {
@@ -421,6 +435,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
             auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
             ws.query_bias = query_bias.data_ptr<float>();
+            at::Tensor dq_accum;
+            if (fused_backward(max_len_q)) {
+              dq_accum = at::zeros({(q.size(0) * q.size(2) * q.size(1) + 128) * (kHeadDim + 4)}, f32);
+              ws.dq_accum = dq_accum.data_ptr<float>();
+            }
             run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,
                                              stream);
           } else {

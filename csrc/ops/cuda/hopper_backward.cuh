@@ -10,6 +10,12 @@
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
 //     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
+//     Fused (kFusedDq, the five-product backward): the same kernel also computes this key tile's
+//     part of dQ, dQ^T = K^T dS^T (dS^T through shared memory), and adds it with the row sums of
+//     dS to a float32 accumulator by one bulk reduction per tile pair; dq_from_accumulator then
+//     scales and rounds it. The additions of different key tiles land in any order, so the
+//     result is not bitwise reproducible: an option (FOX_NONDETERMINISTIC_BACKWARD=1), not the
+//     default.
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
 //     S = Q K^T, dP = dO V^T, dQ += dS K, walking key tiles (kDqKeys) downwards; row sums of dS.
 //
@@ -58,7 +64,13 @@ constexpr int kDqKeys = kHeadDim <= 64 ? FOX_HOPPER_DQ_KEYS_64 : FOX_HOPPER_DQ_K
 template <int kHeadDim>
 constexpr int kDqMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_DQ_MIN_BLOCKS_64 : 1;
 
+// Row of the fused backward's float32 dQ accumulator (per query: dQ, the row sum of dS, padding).
+// The 4 extra floats keep rows 16-byte aligned for the bulk reduction and put the rows a warp
+// writes at once on different banks.
 template <int kHeadDim>
+constexpr int kDqAccRow = kHeadDim + 4;
+
+template <int kHeadDim, bool kFusedDq = false>
 struct DkdvSmem {
   static constexpr int kQueries = kDkdvQueries<kHeadDim>;
   static constexpr int kKV = kBlockN * kHeadDim;      // K or V: 128 keys
@@ -66,8 +78,24 @@ struct DkdvSmem {
   static constexpr size_t kBytesTiles = 2 * (2 * kKV + 2 * 2 * kQ);  // K, V, 2 stages of (Q, dO)
   // T of the keys; per stage T, -(T + lse) and delta of the queries
   static constexpr size_t kBytesStats = sizeof(float) * (kBlockN + 2 * 3 * kQueries);
-  static constexpr size_t kBytes = kBytesTiles + kBytesStats + TileHandoff::kBytes;
+  static constexpr size_t kBytesHandoff = TileHandoff::kBytes;
+  // Fused: dS^T (keys x queries, 2-byte elements, load_tile's layout), two float32 staging tiles
+  // of dQ for the bulk reduction (one may still be read by the previous reduction), and the row
+  // sums of dS of each warp.
+  static constexpr size_t kBytesDst = kFusedDq ? 2 * kBlockN * kQueries : 0;
+  static constexpr size_t kBytesDqStage = sizeof(float) * kQueries * kDqAccRow<kHeadDim>;
+  static constexpr size_t kBytesFused =
+      kFusedDq ? kBytesDst + 2 * kBytesDqStage + sizeof(float) * kWarps * kQueries : 0;
+  static constexpr size_t kBytes = kBytesTiles + kBytesStats + kBytesHandoff + kBytesFused;
   static constexpr size_t kAllocBytes = kBytes + 1024;
+  // [K, V, Q/dO stages][dS^T][statistics][handoff][dQ staging x 2][row sums]: the tiles wgmma
+  // reads 1024-byte aligned, the staging tiles 16-byte aligned.
+  static constexpr size_t kOffDst = kBytesTiles;
+  static constexpr size_t kOffStats = kOffDst + kBytesDst;
+  static constexpr size_t kOffHandoff = kOffStats + kBytesStats;
+  static constexpr size_t kOffDqStage = kOffHandoff + kBytesHandoff;
+  static constexpr size_t kOffRowSums = kOffDqStage + 2 * kBytesDqStage;
+  static_assert(!kFusedDq || kQueries * kHeadDim == 128 * 64, "fused dQ: two 64 x 64 halves per tile");
 };
 
 template <int kHeadDim>
@@ -119,12 +147,76 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&frag)[kCols / 16][4], 
   }
 }
 
-template <typename T, int kHeadDim>
+// dQ^T of one tile pair in the fused backward: 64 x 64 per warpgroup, both operands MN-major (the
+// rows of K and of dS^T are the k dimension, the keys): k-steps of 16 rows (2048 bytes), the leading
+// byte offset the next 64-column block of a kRows-row tile.
+template <typename T>
+struct GmmaTransposed;
+template <>
+struct GmmaTransposed<__nv_bfloat16> {
+  using SS = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
+};
+template <>
+struct GmmaTransposed<__half> {
+  using SS = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::MN>;
+};
+template <class Op, int kRows, int N, int... KS>
+__device__ __forceinline__ void gemm_transposed_tiles(uint32_t a, uint32_t b, float (&acc)[N],
+                                                      std::integer_sequence<int, KS...>) {
+  (gmma_ss<Op>(sw128_descriptor<KS * 16 * 128, kRows * 128, 1024>(a),
+               sw128_descriptor<KS * 16 * 128, kRows * 128, 1024>(b), acc, KS > 0),
+   ...);
+}
+
+// Bulk asynchronous reduction of shared memory into global memory (the copy engine adds `bytes`
+// of float32, 16-byte aligned, at `dst`), its group commit and waits.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_address(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most N groups still reading shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// At most N groups not complete (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Sums each of the K values of v over the 8 rows (`group`) of a C fragment's column, in a fixed
+// order, scattering the sums: three halving exchanges (xor 16, 8, 4) leave this lane the sums of
+// entries [first, first + K / 8), first = (lane & 16 ? K / 2 : 0) + (lane & 8 ? K / 4 : 0) +
+// (lane & 4 ? K / 8 : 0). 7 K / 8 shuffles instead of the 3 K of a butterfly per value.
+template <int kMask, int kHalf, int K>
+__device__ __forceinline__ void halve_column_sums(float (&v)[K], int& first) {
+  const bool upper = (threadIdx.x & kMask) != 0;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? v[i] : v[i + kHalf];
+    const float keep = upper ? v[i + kHalf] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kMask);
+  }
+  if (upper) first += kHalf;
+}
+template <int K>
+__device__ __forceinline__ int column_sums_scattered(float (&v)[K]) {
+  int first = 0;
+  halve_column_sums<16, K / 2>(v, first);
+  halve_column_sums<8, K / 4>(v, first);
+  halve_column_sums<4, K / 8>(v, first);
+  return first;
+}
+
+template <typename T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     dkdv_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
                 int64_t num_tiles, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Smem = DkdvSmem<kHeadDim>;
+  using Smem = DkdvSmem<kHeadDim, kFusedDq>;
   constexpr int kQueries = Smem::kQueries;
   using GmmaS = typename Gmma<T, kQueries>::SS;
   using GmmaD = typename Gmma<T, kHeadDim>::RS;
@@ -133,8 +225,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* Ks = reinterpret_cast<T*>(base);
   T* Vs = Ks + Smem::kKV;
   T* QdO = Vs + Smem::kKV;  // stage s: Q at QdO + 2s * kQ, dO at QdO + (2s + 1) * kQ
-  float* Tk = reinterpret_cast<float*>(base + Smem::kBytesTiles);
+  float* Tk = reinterpret_cast<float*>(base + Smem::kOffStats);
   float* stats = Tk + kBlockN;  // stage s: T, -(T + lse), delta of the queries at stats + 3s * kQueries
+  // Fused dQ: dS^T (keys x queries), the float32 staging tiles [query][kDqAccRow] and the row sums
+  // of dS per warp [warp][query].
+  T* Dst = reinterpret_cast<T*>(base + Smem::kOffDst);
+  float* dq_stage = reinterpret_cast<float*>(base + Smem::kOffDqStage);
+  float* warp_rowsums = reinterpret_cast<float*>(base + Smem::kOffRowSums);
+  constexpr int kDqRow = kDqAccRow<kHeadDim>;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int group = lane >> 2, quad = lane & 3;
@@ -151,8 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async. With TMA the
   // stage handoff is decoupled (the tiles are counted across the heads: `it`).
   const bool use_tma = maps.enabled != 0;
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesStats, use_tma && FOX_HOPPER_DKDV_DECOUPLED,
-                            use_tma);
+  const TileHandoff handoff(base + Smem::kOffHandoff, use_tma && FOX_HOPPER_DKDV_DECOUPLED, use_tma);
   int64_t it = 0;
   {
     const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
@@ -314,6 +411,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         probabilities(std::true_type{});
       else
         probabilities(std::false_type{});
+      if constexpr (kFusedDq) {
+        // dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it), and
+        // this warp's row sums of dS (float32) per query.
+        using Mma = MmaTraits<T>;
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+          for (int n = 0; n < kQueries / 8; ++n)
+            *reinterpret_cast<uint32_t*>(Dst + sw128_offset(warp_row0 + group + 8 * hi, n, kBlockN) + quad * 2) =
+                Mma::pack(dpT[4 * n + 2 * hi], dpT[4 * n + 2 * hi + 1]);
+        float part[kQueries / 4];  // entry 2n + e: query 8n + 2 quad + e, this thread's two keys
+#pragma unroll
+        for (int n = 0; n < kQueries / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) part[2 * n + e] = dpT[4 * n + e] + dpT[4 * n + 2 + e];
+        const int first = column_sums_scattered(part);
+#pragma unroll
+        for (int i = 0; i < kQueries / 32; i += 2)
+          *reinterpret_cast<float2*>(warp_rowsums + warp * kQueries + 8 * ((first + i) >> 1) + 2 * quad) =
+              make_float2(part[i], part[i + 1]);
+      }
       uint32_t pT[kQueries / 16][4], dsT[kQueries / 16][4];
       to_a_fragments<T, kQueries>(pT, sT);
       to_a_fragments<T, kQueries>(dsT, dpT);
@@ -325,6 +443,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
       gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
+      // Fused: dQ^T = K^T dS^T once every warp has stored its dS^T. Each warpgroup takes one 64 x 64
+      // half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of the 128 queries at
+      // D=64.
+      float dqT[32];
+      if constexpr (kFusedDq) {
+        fence_async_proxy();
+        __syncthreads();
+        const T* a = Ks + (kHeadDim > 64 ? wg * kBlockN * 64 : 0);
+        const T* b = Dst + (kHeadDim > 64 ? 0 : wg * kBlockN * 64);
+        cute::warpgroup_arrive();
+        gemm_transposed_tiles<typename GmmaTransposed<T>::SS, kBlockN>(
+            tile_address(a), tile_address(b), dqT, std::make_integer_sequence<int, kBlockN / 16>{});
+        cute::warpgroup_commit_batch();
+      }
       if (p0 + kQueries > boundary) {  // the next query tile starts past the boundary
         c_cur = c_next;
         boundary += kBlockN;
@@ -332,12 +464,42 @@ __global__ void __launch_bounds__(kThreads, 1)
       cute::warpgroup_wait<0>();
       fence_registers(dv);
       fence_registers(dk);
+      if constexpr (kFusedDq) {
+        fence_registers(dqT);
+        // Staging tile [query][kDqRow]: dQ (unscaled), then the row sum of dS.
+        float* stage = dq_stage + (it & 1) * (kQueries * kDqRow);
+        const int d0 = (kHeadDim > 64 ? 64 * wg : 0) + 16 * (warp & 3) + group;
+        const int c0 = (kHeadDim > 64 ? 0 : 64 * wg) + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) stage[(c0 + 8 * j + e) * kDqRow + d0 + 8 * hi] = dqT[4 * j + 2 * hi + e];
+        if (threadIdx.x < kQueries) {
+          float sum = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) sum += warp_rowsums[w * kQueries + threadIdx.x];
+          stage[threadIdx.x * kDqRow + kHeadDim] = sum;
+        }
+        fence_async_proxy();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          // (rows past the sequence add zeros: their dS^T columns are zero)
+          bulk_reduce_add(ws.dq_accum + (stat + i0) * kDqRow, stage,
+                          static_cast<uint32_t>(sizeof(float) * kQueries * kDqRow));
+          bulk_commit();
+          bulk_wait_read<1>();  // the other staging tile is free for the next tile pair
+        }
+      }
       handoff.release(it);
     }
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
   }
   cp_async_wait<0>();
+  if constexpr (kFusedDq)
+    if (threadIdx.x == 0) bulk_wait<0>();  // the reductions have read shared memory and landed
 
   if constexpr (kHeadDim <= 64) __syncthreads();  // (store_accumulator: staged through K and V)
   const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
@@ -501,6 +663,30 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
+// The fused backward's last step: dQ = scale * accumulator, rounded to T, and the row sums of dS
+// (ws.dq_rowsum). One warp per query row of the (batch, num_heads, seqlen_q) accumulator.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(256) dq_from_accumulator(const BackwardParams p, const BackwardWorkspace ws) {
+  constexpr int kDqRow = kDqAccRow<kHeadDim>;
+  const int lane = threadIdx.x & 31;
+  const int64_t batch = p.cu_seqlens != nullptr ? 1 : p.batch;  // (a packed batch is one row of sequences)
+  const int64_t rows = batch * p.num_heads * p.seqlen_q;
+  const float scale = static_cast<float>(p.scale);
+  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x / 32) {
+    const int64_t i = r % p.seqlen_q, h = (r / p.seqlen_q) % p.num_heads, b = r / (p.seqlen_q * p.num_heads);
+    const float* acc = ws.dq_accum + r * kDqRow;
+    T* out = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+    if (4 * lane < kHeadDim) {
+      const float4 x = *reinterpret_cast<const float4*>(acc + 4 * lane);
+      using Mma = MmaTraits<T>;
+      *reinterpret_cast<uint2*>(out + 4 * lane) = make_uint2(Mma::pack(x.x * scale, x.y * scale),
+                                                             Mma::pack(x.z * scale, x.w * scale));
+    }
+    if (lane == 0) ws.dq_rowsum[r] = acc[kHeadDim];
+  }
+}
+
 }  // namespace fox::cuda::hopper
 
 namespace fox::cuda {
@@ -509,7 +695,8 @@ template <typename T, int kHeadDim>
 void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream) {
   using namespace hopper;
-  auto dkdv = dkdv_kernel<T, kHeadDim>;
+  const bool fused = ws.dq_accum != nullptr;
+  auto dkdv = fused ? dkdv_kernel<T, kHeadDim, true> : dkdv_kernel<T, kHeadDim, false>;
   auto dq = dq_kernel<T, kHeadDim>;
   generic::launch_delta<T>(p, ws.delta, stream);
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
@@ -518,10 +705,17 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
         p, gate_suffix, key_tiles, ws.query_bias);
   const int64_t kv_blocks = key_tiles * p.num_kv_heads * p.batch;
   if (kv_blocks > 0) {
-    constexpr size_t smem = DkdvSmem<kHeadDim>::kAllocBytes;
+    const size_t smem = fused ? DkdvSmem<kHeadDim, true>::kAllocBytes : DkdvSmem<kHeadDim, false>::kAllocBytes;
     cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     const TileMaps maps = make_query_grad_maps(p, std::is_same_v<T, __nv_bfloat16>, kDkdvQueries<kHeadDim>);
     dkdv<<<static_cast<unsigned>(kv_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps);
+  }
+  if (fused) {
+    const int64_t rows = (p.cu_seqlens != nullptr ? 1 : p.batch) * p.num_heads * p.seqlen_q;
+    const int64_t blocks = std::min<int64_t>((rows + 7) / 8, 65535);
+    if (blocks > 0) dq_from_accumulator<T, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, ws);
+    generic::launch_gate_grad(p, ws, stream);
+    return;
   }
   const int64_t q_tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t q_blocks = q_tiles * p.num_heads * p.batch;

@@ -32,6 +32,10 @@ struct BackwardWorkspace {
   // Hopper kernels only: -(T + lse) per query in log2 units, T the gate suffix sum at its position
   // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
   float* query_bias = nullptr;
+  // Fused Hopper backward only (FOX_NONDETERMINISTIC_BACKWARD=1): dQ and the row sums of dS
+  // accumulated in float32, zeroed, rows of head_dim + 4 floats laid out like lse, plus 128 rows
+  // of padding (a last partial query tile adds its zeros past the end).
+  float* dq_accum = nullptr;
 };
 
 // Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
