@@ -107,7 +107,7 @@ void run(int N, int reps, bool fused) {
   ws.dq_rowsum = rowsum;
   ws.query_bias = query_bias;
   // --nondeterministic: the fused backward, its float32 dQ accumulator zeroed in the timed part
-  const size_t acc_bytes = (ns + 128) * (D + 4) * sizeof(float);
+  const size_t acc_bytes = fox::cuda::fused_dq_accumulator_floats(ns, D) * sizeof(float);
   if (fused) check(cudaMalloc(&ws.dq_accum, acc_bytes), "dQ accumulator");
 
   cudaEvent_t e[3];

@@ -437,7 +437,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             ws.query_bias = query_bias.data_ptr<float>();
             at::Tensor dq_accum;
             if (fused_backward(max_len_q)) {
-              dq_accum = at::zeros({(q.size(0) * q.size(2) * q.size(1) + 128) * (kHeadDim + 4)}, f32);
+              dq_accum = at::zeros({fused_dq_accumulator_floats(q.size(0) * q.size(2) * q.size(1), kHeadDim)}, f32);
               ws.dq_accum = dq_accum.data_ptr<float>();
             }
             run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,

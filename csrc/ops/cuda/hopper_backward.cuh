@@ -64,11 +64,9 @@ constexpr int kDqKeys = kHeadDim <= 64 ? FOX_HOPPER_DQ_KEYS_64 : FOX_HOPPER_DQ_K
 template <int kHeadDim>
 constexpr int kDqMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_DQ_MIN_BLOCKS_64 : 1;
 
-// Row of the fused backward's float32 dQ accumulator (per query: dQ, the row sum of dS, padding).
-// The 4 extra floats keep rows 16-byte aligned for the bulk reduction and put the rows a warp
-// writes at once on different banks.
+// Row of the fused backward's float32 dQ accumulator and staging tiles (launch.h).
 template <int kHeadDim>
-constexpr int kDqAccRow = kHeadDim + 4;
+constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 
 template <int kHeadDim, bool kFusedDq = false>
 struct DkdvSmem {

@@ -33,10 +33,18 @@ struct BackwardWorkspace {
   // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
   float* query_bias = nullptr;
   // Fused Hopper backward only (FOX_NONDETERMINISTIC_BACKWARD=1): dQ and the row sums of dS
-  // accumulated in float32, zeroed, rows of head_dim + 4 floats laid out like lse, plus 128 rows
-  // of padding (a last partial query tile adds its zeros past the end).
+  // accumulated in float32, zeroed, rows of fused_dq_row(head_dim) floats laid out like lse, plus
+  // 128 rows of padding (a last partial query tile adds its zeros past the end).
   float* dq_accum = nullptr;
 };
+
+// Floats per row of BackwardWorkspace::dq_accum (dQ, the row sum of dS, padding: rows stay 16-byte
+// aligned for the bulk reductions, and the rows a warp writes at once fall on different banks),
+// and the floats of the whole accumulator for `rows` = batch * num_heads * seqlen_q query rows.
+constexpr int fused_dq_row(int head_dim) { return head_dim + 4; }
+constexpr int64_t fused_dq_accumulator_floats(int64_t rows, int head_dim) {
+  return (rows + 128) * fused_dq_row(head_dim);
+}
 
 // Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
 // the queries of one sequence (sizes the grid).
