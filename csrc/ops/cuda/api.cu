@@ -78,15 +78,16 @@ bool hopper_kernels_enabled() {
 // FOX_NONDETERMINISTIC_BACKWARD=1: the Hopper backward in one kernel of five products per tile
 // pair, dQ accumulated by float32 reductions in whatever order the tiles finish (not bitwise
 // reproducible), where it is faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries
-// (default 4096; below, the memset and conversion of its float32 accumulator cost more than the two
-// products it saves). Off under torch.use_deterministic_algorithms(True). The default is the
-// deterministic two-kernel backward. Read per call (tests set them).
+// (default 8192; at 4096 it measured even, below slower: zeroing and converting its float32
+// accumulator costs ~0.1 ms per 16k tokens of 16 heads of 128). Off under
+// torch.use_deterministic_algorithms(True). The default is the deterministic two-kernel backward.
+// Read per call (tests set them).
 bool fused_backward(int64_t max_len_q) {
   const char* v = std::getenv("FOX_NONDETERMINISTIC_BACKWARD");
   if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;
   if (at::globalContext().deterministicAlgorithms()) return false;
   const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
-  return max_len_q >= (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 4096);
+  return max_len_q >= (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 8192);
 }
 
 // FOX_DISABLE_DECODE_KERNEL=1 sends decoding to the prefill kernels' split-KV path (comparisons).
