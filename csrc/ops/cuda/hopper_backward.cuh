@@ -492,6 +492,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       handoff.release(it);
     }
+    // Fused: the next walk starts with both staging tiles free (a walk cut short moves `it` on by
+    // one, so its first tile may stage where the last reduction is still reading).
+    if constexpr (kFusedDq)
+      if (threadIdx.x == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
   }
