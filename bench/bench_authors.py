@@ -70,19 +70,23 @@ def authors_model(classes, ours):
     return model
 
 
-def training_step(model, ids, labels, authors, fresh_gradients=True):
+def training_step(model, ids, labels, authors, fresh_gradients=True, per_token=False):
     """forward + backward of the mean token loss under bf16 autocast, as a closure. With
     fresh_gradients the gradients are set to None first, as a training loop's zero_grad() does
     (else the backward adds into the gradients of the step before: a float32 add per parameter,
-    ~3 ms a step for either model)."""
+    ~3 ms a step for either model). Their model gives the per-token loss, whose mean is taken
+    outside; ours takes the mean in the loss (reduction="mean", the LM head's gradients made with
+    the forward, as `fox train` does), or with per_token as theirs."""
     def step():
         if fresh_gradients:
             model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if authors:
                 loss = model(input_ids=ids, labels=labels, use_cache=False).loss.float().mean()
-            else:
+            elif per_token:
                 loss = model(ids, labels=labels).float().mean()
+            else:
+                loss = model(ids, labels=labels, reduction="mean")
         loss.backward()
         return loss
     return step
@@ -120,9 +124,10 @@ def main():
     classes = load_authors(args.authors_src)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, vocab {args.vocab}, bf16 autocast, fwd+bwd")
-    print("| model | B x T | ours k tokens/s (MFU) | authors' k tokens/s (MFU) | ratio | ours peak "
-          "GiB (held / from zero) | authors' peak GiB | peak ratio | loss (ours / authors') |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | B x T | ours k tokens/s (MFU) | authors' k tokens/s (MFU) | ratio | ours with "
+          "the per-token loss: k tokens/s, ratio | ours peak GiB (held / from zero) | authors' "
+          "peak GiB | peak ratio | loss (ours / authors') |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs.split(","):
         for shape in args.shapes:
             B, T = (int(x) for x in shape.split("x"))
@@ -135,16 +140,19 @@ def main():
             losses = our_step().item(), their_step().item()
             ours_peak = peaks_gib(ours, training_step(ours, ids, labels, False, False), theirs)
             theirs_peak = peaks_gib(theirs, training_step(theirs, ids, labels, True, False), ours)
-            t_ours, t_theirs = interleaved_ms([our_step, their_step], args.reps)
+            per_token_step = training_step(ours, ids, labels, authors=False, per_token=True)
+            t_ours, t_theirs, t_per_token = interleaved_ms([our_step, their_step, per_token_step],
+                                                           args.reps)
             flops = training_flops_per_token(ours, T)
             tok = B * T / 1e3
             print(f"| {arch} | {B} x {T} | {tok / t_ours * 1e3:,.0f} "
                   f"({mfu(tok / t_ours * 1e6, flops):.1%}) | {tok / t_theirs * 1e3:,.0f} "
                   f"({mfu(tok / t_theirs * 1e6, flops):.1%}) | {t_theirs / t_ours:.2f} | "
+                  f"{tok / t_per_token * 1e3:,.0f}, {t_theirs / t_per_token:.2f} | "
                   f"{ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
                   f"{theirs_peak[1]:.2f} | {ours_peak[0] / theirs_peak[0]:.2f} | "
                   f"{losses[0]:.4f} / {losses[1]:.4f} |", flush=True)
-            del ours, theirs, our_step, their_step
+            del ours, theirs, our_step, their_step, per_token_step
             torch.cuda.empty_cache()
 
 

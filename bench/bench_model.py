@@ -145,11 +145,16 @@ def mfu(tokens_per_s, flops_per_token):
     return float("nan") if peak is None else tokens_per_s * flops_per_token / (peak * 1e12)
 
 
-def fox_training_step(model, ids, labels):
-    """forward + backward of the mean per-token loss under bf16 autocast, as a closure."""
+def fox_training_step(model, ids, labels, reduction="mean"):
+    """forward + backward of the mean per-token loss under bf16 autocast, as a closure: reduced
+    in the loss (reduction "mean": the LM head's gradients come with the forward, as a trainer
+    would call it), or with reduction "none" the per-token loss and its mean taken outside."""
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels=labels).float().mean()
+            if reduction == "none":
+                loss = model(ids, labels=labels).float().mean()
+            else:
+                loss = model(ids, labels=labels, reduction=reduction)
         loss.backward()
         return loss
     return step

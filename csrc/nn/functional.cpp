@@ -458,6 +458,84 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   }
 };
 
+#ifdef FOX_WITH_CUDA
+// The sum of LinearCrossEntropyFunction's per-token losses, its gradients made in the forward (the
+// fused CUDA path only): each chunk's logits become the d logits of the sum in place and go straight
+// into d hidden and d weight, so the logits are made once instead of twice (once more in the
+// backward), and the backward only scales the two gradients by the incoming one (a scalar). A
+// per-token loss cannot do this: its rows' gradients are known only in the backward.
+struct SummedLinearCrossEntropyFunction
+    : public torch::autograd::Function<SummedLinearCrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
+                               const torch::Tensor& weight, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_rows) {
+    const int64_t N = hidden.size(0);
+    auto f32 = hidden.options().dtype(torch::kFloat32);
+    auto loss = torch::empty({N}, f32), lse = torch::empty({N}, f32);
+    auto ones = torch::ones({std::min(chunk_rows, N)}, f32);  // d loss of every row of the sum
+    torch::Tensor dhidden, dweight;
+    if (hidden.requires_grad()) dhidden = torch::empty(hidden.sizes(), hidden.options());
+    // d weight sums over all chunks, in float32 for a half-precision weight (as the per-token
+    // loss's backward).
+    const bool half = weight.scalar_type() == torch::kFloat16 ||
+                      weight.scalar_type() == torch::kBFloat16;
+    if (weight.requires_grad())
+      dweight = torch::zeros(weight.sizes(), weight.options().dtype(half ? torch::kFloat32
+                                                                       : weight.scalar_type()));
+    for (int64_t start = 0; start < N; start += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, N - start);
+      auto h = hidden.narrow(0, start, rows);
+      auto labels_chunk = labels.narrow(0, start, rows);
+      auto lse_chunk = lse.narrow(0, start, rows);
+      auto logits = plain_linear(h, weight);
+      cuda::cross_entropy_forward(logits, labels_chunk, ignore_index, loss.narrow(0, start, rows),
+                                  lse_chunk);
+      if (!dhidden.defined() && !dweight.defined()) continue;
+      cuda::cross_entropy_backward(ones.narrow(0, 0, rows), logits, labels_chunk, lse_chunk,
+                                   ignore_index, logits);  // in place
+      if (dhidden.defined()) {
+        auto out = dhidden.narrow(0, start, rows);
+        torch::mm_out(out, logits, weight);
+      }
+      if (dweight.defined()) {
+        if (half) at::addmm_out(dweight, dweight, logits.t(), h, torch::kFloat32);
+        else dweight.addmm_(logits.t(), h);
+      }
+    }
+    ctx->saved_data["dhidden"] = dhidden;
+    ctx->saved_data["dweight"] = dweight;
+    ctx->saved_data["weight_dtype"] = int64_t(weight.scalar_type());
+    return loss.sum();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto g = grads[0].to(torch::kFloat32);
+    const auto dhidden = ctx->saved_data["dhidden"].toTensor();
+    const auto dweight = ctx->saved_data["dweight"].toTensor();
+    torch::Tensor dh, dw;
+    if (dhidden.defined()) dh = dhidden * g;  // (in dhidden's dtype; float32 arithmetic)
+    if (dweight.defined())
+      dw = (dweight * g).to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
+    return {dh, dw, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+#endif  // FOX_WITH_CUDA
+
+// The loss of per-token losses (float32, 0 where the label is ignore_index) as `reduction` asks.
+torch::Tensor reduce_loss(const torch::Tensor& per_token, const torch::Tensor& labels,
+                          int64_t ignore_index, const std::string& reduction) {
+  if (reduction == "none") return per_token;
+  auto total = per_token.sum();
+  if (reduction == "sum") return total;
+  return total / (labels != ignore_index).sum().to(total.scalar_type());  // "mean"
+}
+
+void check_reduction(const std::string& reduction) {
+  TORCH_CHECK(reduction == "none" || reduction == "sum" || reduction == "mean",
+              "linear_cross_entropy: reduction must be 'none', 'sum' or 'mean', got '", reduction,
+              "'");
+}
+
 }  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int64_t group_size,
@@ -696,11 +774,13 @@ torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::str
 
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& labels, int64_t ignore_index,
-                                   int64_t chunk_rows) {
+                                   int64_t chunk_rows, const std::string& reduction) {
   TORCH_CHECK(chunk_rows >= 0, "linear_cross_entropy: chunk_rows must be >= 0, got ", chunk_rows);
+  check_reduction(reduction);
   if (without_autograd({hidden, weight}) || hidden.dim() < 1 || hidden.numel() == 0 ||
       weight.dim() != 2) {
-    return cross_entropy(functional::linear(hidden, weight), labels, ignore_index);
+    return reduce_loss(cross_entropy(functional::linear(hidden, weight), labels, ignore_index),
+                       labels, ignore_index, reduction);
   }
   TORCH_CHECK(hidden.dim() == labels.dim() + 1 &&
                   hidden.sizes().slice(0, labels.dim()) == labels.sizes(),
@@ -716,8 +796,16 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
     chunk_rows = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, w.size(0) * w.element_size()));
   }
   auto flat = labels.reshape({-1}).to(h.device(), torch::kLong).contiguous();
-  return LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows)
-      .view(labels.sizes());
+#ifdef FOX_WITH_CUDA
+  if (reduction != "none" && LinearCrossEntropyFunction::direct(h)) {
+    auto total = SummedLinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows);
+    if (reduction == "sum") return total;
+    return total / (flat != ignore_index).sum().to(total.scalar_type());
+  }
+#endif
+  return reduce_loss(LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows)
+                         .view(labels.sizes()),
+                     labels, ignore_index, reduction);
 }
 
 torch::Tensor argmax(const torch::Tensor& x) {

@@ -273,16 +273,20 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& 
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
     const torch::Tensor& input_ids, const std::optional<torch::Tensor>& labels, KVCache* cache,
-    const std::optional<torch::Tensor>& seq_start) {
+    const std::optional<torch::Tensor>& seq_start, const std::string& reduction) {
+  TORCH_CHECK(reduction == "none" || reduction == "sum" || reduction == "mean",
+              "ForgettingTransformerForCausalLM: reduction must be 'none', 'sum' or 'mean', got '",
+              reduction, "'");
   auto hidden = model->forward(input_ids, cache, seq_start);
   if (!labels.has_value() || !labels->defined()) return logits(hidden);
   TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",
               labels->sizes(), " must have the shape of input_ids ", input_ids.sizes());
-  return loss(hidden, *labels);
+  return loss(hidden, *labels, reduction);
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::loss(const torch::Tensor& hidden_states,
-                                                         const torch::Tensor& labels) {
+                                                         const torch::Tensor& labels,
+                                                         const std::string& reduction) {
   const auto& weight = lm_head ? lm_head->weight : model->embeddings->weight;
   auto targets = labels.to(hidden_states.device(), torch::kLong);
   // FOX_LOSS_CHUNK_ROWS (read at each call): 0 keeps the whole logits for the backward (for
@@ -293,9 +297,15 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::loss(const torch::Tensor& hi
     chunk_rows = std::strtoll(v, &end, 10);
     TORCH_CHECK(*end == '\0' && chunk_rows >= 0, "FOX_LOSS_CHUNK_ROWS must be a count >= 0, got '",
                 v, "'");
-    if (chunk_rows == 0) return functional::cross_entropy(logits(hidden_states), targets, -100);
+    if (chunk_rows == 0) {
+      auto per_token = functional::cross_entropy(logits(hidden_states), targets, -100);
+      if (reduction == "none") return per_token;
+      auto total = per_token.sum();
+      return reduction == "sum" ? total : total / (targets != -100).sum().to(total.scalar_type());
+    }
   }
-  return functional::linear_cross_entropy(hidden_states, weight, targets, -100, chunk_rows);
+  return functional::linear_cross_entropy(hidden_states, weight, targets, -100, chunk_rows,
+                                          reduction);
 }
 
 }  // namespace fox::nn

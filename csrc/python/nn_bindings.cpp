@@ -227,14 +227,14 @@ void init_nn_bindings(py::module_& parent) {
           "forward",
           [](ForgettingTransformerForCausalLMImpl& self, const torch::Tensor& ids,
              std::optional<torch::Tensor> labels, KVCache* cache,
-             std::optional<torch::Tensor> seq_start) {
-            return self.forward(ids, labels, cache, seq_start);
+             std::optional<torch::Tensor> seq_start, const std::string& reduction) {
+            return self.forward(ids, labels, cache, seq_start, reduction);
           },
           py::arg("input_ids"), py::arg("labels") = py::none(), py::arg("cache") = py::none(),
-          py::arg("seq_start") = py::none())
+          py::arg("seq_start") = py::none(), py::arg("reduction") = "none")
       .def("logits", &ForgettingTransformerForCausalLMImpl::logits, py::arg("hidden_states"))
       .def("loss", &ForgettingTransformerForCausalLMImpl::loss, py::arg("hidden_states"),
-           py::arg("labels"))
+           py::arg("labels"), py::arg("reduction") = "none")
       .def("reset_parameters", &ForgettingTransformerForCausalLMImpl::reset_parameters)
       .def("new_cache",
            [](ForgettingTransformerForCausalLMImpl& s) {
@@ -418,7 +418,7 @@ void init_nn_bindings(py::module_& parent) {
       py::arg("residual") = std::nullopt);
   f.def("linear_cross_entropy", &functional::linear_cross_entropy, py::arg("hidden"),
         py::arg("weight"), py::arg("labels"), py::arg("ignore_index") = -100,
-        py::arg("chunk_rows") = 0);
+        py::arg("chunk_rows") = 0, py::arg("reduction") = "none");
   f.def("argmax", &functional::argmax, py::arg("x"));
   f.def("cross_entropy", &functional::cross_entropy, py::arg("logits"), py::arg("labels"),
         py::arg("ignore_index") = -100);

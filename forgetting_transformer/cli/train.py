@@ -117,7 +117,7 @@ class Distributed:
             from torch.distributed.fsdp import fully_shard
             # An explicit mesh: the default one follows the accelerator, not --device.
             mesh = init_device_mesh(device.type, (self.world,))
-            # The per-token loss is a view (reshaped cross-entropy); it is only reduced, never
+            # A per-token loss is a view (reshaped cross-entropy); it is only reduced, never
             # modified in place, which is what this warning is about.
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
             for block in model.model.layers:
@@ -638,8 +638,9 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                             not hasattr(wrapped[a], "no_sync"))
                     with (contextlib.nullcontext() if sync else wrapped[a].no_sync()):
                         with autocast():
-                            per_token = wrapped[a](x, labels=y)
-                        loss = per_token.float().sum() / n_valid
+                            # summed in the loss: its gradients come with the forward
+                            summed = wrapped[a](x, labels=y, reduction="sum")
+                        loss = summed.float() / n_valid
                         # DDP averages gradients over ranks: scale so that they are the sum.
                         (loss * ddp.world if ddp.enabled else loss).backward()
                     loss_sum += loss.detach().double().cpu()

@@ -349,6 +349,53 @@ def test_linear_cross_entropy(device, dtype, chunk_rows):
                            whole(hidden, weight))
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_rows", [0, 7])
+@pytest.mark.parametrize("needs", ["both", "hidden", "weight"])
+def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, needs):
+    """The summed / mean loss, whose gradients the CUDA path makes in the forward (the backward
+    scales them by the incoming scalar): loss, d hidden and d weight by the 2x rule against
+    float64, the whole-logits composition in dtype as the naive result; only the gradients asked
+    for are made; equal to the per-token loss reduced, up to the rounding of a sum."""
+    B, T, C, V = 3, 41, 64, 1000
+    hidden = torch.randn(B, T, C, device=device).to(dtype)
+    weight = (torch.randn(V, C, device=device) * 3 / C**0.5).to(dtype)
+    labels = torch.randint(0, V, (B, T), device=device)
+    labels[0, :5] = -100
+    labels[2, -1] = -100
+    g = torch.tensor(0.37, device=device)
+    valid = (labels != -100).sum()
+
+    def whole(h, w):
+        total = fused.cross_entropy(fused.linear(h, w), labels).sum()
+        return total if reduction == "sum" else total / valid.to(total.dtype)
+
+    def reduced(h, w):
+        return fused.linear_cross_entropy(h, w, labels, chunk_rows=chunk_rows, reduction=reduction)
+
+    got, got_grads = forward_backward(reduced, [hidden, weight], g)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert [x.dtype for x in got_grads] == [dtype, dtype]
+    ref, ref_grads = forward_backward(whole, [hidden.double(), weight.double()], g.double())
+    naive, naive_grads = forward_backward(whole, [hidden, weight], g)
+    problems = rule_violations(["loss", "dhidden", "dweight"], [got] + got_grads,
+                               [ref] + ref_grads, [naive] + naive_grads, dtype)
+    assert not problems, problems
+    per_token = fused.linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk_rows)
+    expected = per_token.sum() if reduction == "sum" else per_token.sum() / valid
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    # Only the gradients asked for: the other input is a constant.
+    h = hidden.clone().requires_grad_(needs != "weight")
+    w = weight.clone().requires_grad_(needs != "hidden")
+    reduced(h, w).backward(g)
+    for x, grad, name in ((h, got_grads[0], "hidden"), (w, got_grads[1], "weight")):
+        if needs in ("both", name):
+            assert torch.equal(x.grad, grad), name
+        else:
+            assert x.grad is None, name
+
+
 def test_bad_arguments_name_the_argument():
     gu, w = torch.randn(4, 16, requires_grad=True), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="act"):
@@ -360,6 +407,8 @@ def test_bad_arguments_name_the_argument():
     hidden, labels = torch.randn(2, 5, 8, requires_grad=True), torch.randint(0, 6, (2, 5))
     with pytest.raises(RuntimeError, match="labels"):
         fused.linear_cross_entropy(hidden, w, labels[:, :-1])
+    with pytest.raises(RuntimeError, match="reduction"):
+        fused.linear_cross_entropy(hidden, w, labels, reduction="avg")
     x = torch.randn(2, 3, 8)
     with pytest.raises(RuntimeError, match="group_size"):
         fused.rms_norm(x, None, 3, 1e-6)

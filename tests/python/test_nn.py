@@ -409,6 +409,53 @@ def test_chunked_loss_matches_whole_logits(device, dtype, tied, monkeypatch):
     assert not problems, problems
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
+def test_reduced_loss_matches_per_token(device, dtype, tied, reduction, monkeypatch):
+    """forward(labels=..., reduction="sum" / "mean"): the per-token loss reduced (mean over the
+    tokens not ignored), with every gradient of the per-token loss's sum (mean); float64 to
+    1e-12, float32 and bf16 autocast by the 2x rule against the float64 model, the per-token
+    path in the same dtype as the naive result. On CUDA the reduced loss makes its gradients in
+    the forward."""
+    autocast, model, c, ids, labels = savings_case(device, dtype, tied)
+    valid = int((labels != -100).sum())
+
+    def step(model, ids, labels, reduced):
+        for name in SAVINGS_OFF:
+            monkeypatch.delenv(name, raising=False)
+        model.zero_grad()
+        with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
+            if reduced:
+                loss = model(ids, labels=labels, reduction=reduction)
+            else:
+                loss = model(ids, labels=labels).sum()
+                loss = loss / valid if reduction == "mean" else loss
+        (loss * 0.37).backward()
+        return loss.detach().double(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    loss_r, grads_r = step(model, ids, labels, True)
+    loss, grads = step(model, ids, labels, False)
+    assert loss_r.dim() == 0
+    names = list(grads)
+    if dtype == torch.float64:
+        torch.testing.assert_close(loss_r, loss, rtol=0, atol=1e-12)
+        for name in names:
+            torch.testing.assert_close(grads_r[name], grads[name], rtol=0, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        return
+    model.double().cpu()
+    ref_loss, ref_grads = step(model, ids.cpu(), labels.cpu(), False)
+    got = [t.cpu() for t in [loss_r] + [grads_r[n] for n in names]]
+    naive = [t.cpu() for t in [loss] + [grads[n] for n in names]]
+    ref = [ref_loss] + [ref_grads[n] for n in names]
+    problems = rule_violations(["loss"] + names, got, ref, naive,
+                               torch.bfloat16 if autocast else dtype)
+    assert not problems, problems
+    with pytest.raises(RuntimeError, match="reduction"):
+        model(ids.cpu(), labels=labels.cpu(), reduction="avg")
+
+
 def test_memory_savings_on_by_default(monkeypatch):
     """Unset knobs: both savings on (less kept than with both off); any chunk size gives the same
     loss in float64, and without autograd the loss is the whole-logits one, bitwise."""

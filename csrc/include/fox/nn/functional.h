@@ -73,9 +73,14 @@ torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::str
 /// in about 256 MiB) and never kept: the backward makes each chunk's logits again. The loss
 /// matches the composition up to the rounding of GEMMs over fewer rows; without autograd it is
 /// the composition.
+/// reduction: "none" (the per-token loss, the shape of labels), "sum" (a float32 scalar) or
+/// "mean" (the sum over the tokens not labelled ignore_index, divided by their count). A reduced
+/// loss on CUDA makes its gradients in the forward, chunk by chunk, and keeps d hidden and d
+/// weight (float32 for a half-precision weight) for the backward instead of making the logits
+/// again there: the LM head then takes three GEMMs a training step instead of four.
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& labels, int64_t ignore_index = -100,
-                                   int64_t chunk_rows = 0);
+                                   int64_t chunk_rows = 0, const std::string& reduction = "none");
 
 /// argmax(x, -1) as int64 (the first index on ties, NaN counting as the largest, as torch.argmax):
 /// a greedy decoding step's token. On CUDA one kernel per call (torch's reduction takes ~16 us for

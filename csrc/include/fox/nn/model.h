@@ -177,18 +177,21 @@ class ForgettingTransformerForCausalLMImpl
 
   /// Without labels: logits (B, T, vocab). With labels (B, T): the per-token cross-entropy loss
   /// (B, T), no shift (labels[t] is the target of position t, as the authors), 0 where the label
-  /// is -100 (ignore index).
+  /// is -100 (ignore index); reduced to a scalar with `reduction` "sum" or "mean" (over the
+  /// tokens not ignored), whose gradients are cheaper (functional::linear_cross_entropy).
   torch::Tensor forward(const torch::Tensor& input_ids,
                         const std::optional<torch::Tensor>& labels = std::nullopt,
                         KVCache* cache = nullptr,
-                        const std::optional<torch::Tensor>& seq_start = std::nullopt);
+                        const std::optional<torch::Tensor>& seq_start = std::nullopt,
+                        const std::string& reduction = "none");
   /// logits of hidden states (B, T, hidden).
   torch::Tensor logits(const torch::Tensor& hidden_states);
   /// The per-token loss (B, T) of hidden states (B, T, hidden) against labels (B, T), as forward
   /// with labels: under autograd through functional::linear_cross_entropy, whose backward makes
   /// the logits again chunk by chunk instead of keeping them. FOX_LOSS_CHUNK_ROWS (read at each
   /// call): 0 keeps the whole logits instead (comparisons), N > 0 takes N rows per chunk.
-  torch::Tensor loss(const torch::Tensor& hidden_states, const torch::Tensor& labels);
+  torch::Tensor loss(const torch::Tensor& hidden_states, const torch::Tensor& labels,
+                     const std::string& reduction = "none");
   /// A fresh, empty cache for this model.
   KVCache new_cache() const { return KVCache(config.num_hidden_layers()); }
   /// A static cache (see cache.h) for `batch` rows of up to `max_length` tokens; K and V in
