@@ -310,8 +310,10 @@ def _generation_options(options: Optional[GenerationOptions], kwargs) -> Generat
 
 
 class ForgettingTransformerForCausalLM(_CppModuleMixin, _nn.ForgettingTransformerForCausalLM):
-    """The causal LM. forward(input_ids, labels=None, cache=None, seq_start=None) returns logits
-    (B, T, vocab), or the per-token loss (B, T) when labels are given (no shift, ignore -100)."""
+    """The causal LM. forward(input_ids, labels=None, cache=None, seq_start=None, reduction="none")
+    returns logits (B, T, vocab), or the per-token loss (B, T) when labels are given (no shift,
+    ignore -100); with reduction "sum" or "mean" (over the tokens not ignored) a scalar, whose
+    gradients are made with the forward (no logits made again in the backward)."""
 
     def __init__(self, config: Optional[ForgettingTransformerConfig] = None, **kwargs):
         super().__init__(_config(config, kwargs))
