@@ -317,19 +317,25 @@ def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk_rows", [0, 7, 200])  # 0: ~256 MiB chunks (one here)
-def test_linear_cross_entropy(device, dtype, chunk_rows):
-    """The LM head and loss in row chunks (123 rows: 7 gives 18 chunks, the last of 4), the logits
-    made again in the backward: loss, d hidden and d weight by the 2x rule against float64, the
-    whole-logits composition in dtype as the naive result; ignored labels give 0."""
+def loss_case(device, dtype):
+    """(hidden (3, 41, 64), weight (1000, 64), labels (3, 41) with 6 ignored) of the loss tests."""
     B, T, C, V = 3, 41, 64, 1000
     hidden = torch.randn(B, T, C, device=device).to(dtype)
     weight = (torch.randn(V, C, device=device) * 3 / C**0.5).to(dtype)
     labels = torch.randint(0, V, (B, T), device=device)
     labels[0, :5] = -100
     labels[2, -1] = -100
-    g = torch.rand(B, T, device=device)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_rows", [0, 7, 200])  # 0: ~256 MiB chunks (one here)
+def test_linear_cross_entropy(device, dtype, chunk_rows):
+    """The LM head and loss in row chunks (123 rows: 7 gives 18 chunks, the last of 4), the logits
+    made again in the backward: loss, d hidden and d weight by the 2x rule against float64, the
+    whole-logits composition in dtype as the naive result; ignored labels give 0."""
+    hidden, weight, labels = loss_case(device, dtype)
+    g = torch.rand(labels.shape, device=device)
 
     def whole(h, w):
         return fused.cross_entropy(fused.linear(h, w), labels)
@@ -358,12 +364,7 @@ def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, need
     scales them by the incoming scalar): loss, d hidden and d weight by the 2x rule against
     float64, the whole-logits composition in dtype as the naive result; only the gradients asked
     for are made; equal to the per-token loss reduced, up to the rounding of a sum."""
-    B, T, C, V = 3, 41, 64, 1000
-    hidden = torch.randn(B, T, C, device=device).to(dtype)
-    weight = (torch.randn(V, C, device=device) * 3 / C**0.5).to(dtype)
-    labels = torch.randint(0, V, (B, T), device=device)
-    labels[0, :5] = -100
-    labels[2, -1] = -100
+    hidden, weight, labels = loss_case(device, dtype)
     g = torch.tensor(0.37, device=device)
     valid = (labels != -100).sum()
 
