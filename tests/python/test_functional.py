@@ -397,6 +397,29 @@ def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, need
             assert x.grad is None, name
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("V", [1000, 1001, 32768])  # one pass (16 and 64 logits a thread); 1001:
+def test_reduced_loss_bitwise_the_per_token_loss(V):  # two kernels (rows not 16-byte aligned)
+    """On CUDA the summed loss makes d logits in its forward (one pass over a row where it fits,
+    else the loss kernels in turn) where the per-token loss makes the logits again in its
+    backward: with the same chunks and d loss = 1 the loss and both gradients are bitwise equal."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hidden = torch.randn(2, 37, 64, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(V, 64, device="cuda", generator=g) / 4).to(torch.bfloat16)
+    labels = torch.randint(0, V, (2, 37), device="cuda", generator=g)
+    labels[1, :4] = -100
+    per_token, per_token_grads = forward_backward(
+        lambda h, w: fused.linear_cross_entropy(h, w, labels, chunk_rows=16),
+        [hidden, weight], torch.ones(2, 37, device="cuda"))
+    summed, summed_grads = forward_backward(
+        lambda h, w: fused.linear_cross_entropy(h, w, labels, chunk_rows=16, reduction="sum"),
+        [hidden, weight], torch.ones((), device="cuda"))
+    assert torch.equal(summed, per_token.sum())
+    for a, b in zip(summed_grads, per_token_grads):
+        assert torch.equal(a, b)
+
+
 def test_bad_arguments_name_the_argument():
     gu, w = torch.randn(4, 16, requires_grad=True), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="act"):
