@@ -412,34 +412,34 @@ __global__ void __launch_bounds__(kLossThreads)
 }
 
 // A row's loss and its gradient (d loss = 1) in one pass over the logits, for a loss reduced in the
-// forward: each thread keeps its kValues logits (kValues / VEC loads) in registers, the (max, sum)
-// pass is cross_entropy_forward_kernel's (same chunks, same order), and the logits are then
-// overwritten with (softmax - onehot) as cross_entropy_backward_kernel writes them: bitwise the
-// two kernels, with one read of the logits instead of two.
+// forward: each thread keeps its kValues logits (kValues / VEC 16-byte loads, packed: two blocks
+// fit an SM) in registers, the (max, sum) pass is cross_entropy_forward_kernel's (same chunks, same
+// order), and the logits are then overwritten with (softmax - onehot) as
+// cross_entropy_backward_kernel writes them: bitwise the two kernels, one read of the logits fewer.
 template <typename T, int VEC, int kValues>
-__global__ void __launch_bounds__(kLossThreads)
+__global__ void __launch_bounds__(kLossThreads, 2)
     cross_entropy_with_gradient_kernel(T* logits, int64_t rs, const int64_t* __restrict__ labels,
                                        float* __restrict__ loss, float* __restrict__ lse, int64_t V,
                                        int64_t ignore_index) {
   constexpr int kLoads = kValues / VEC;
   const int64_t row = blockIdx.x;
   T* x = logits + row * rs;
-  float xv[kLoads][VEC];
+  Pack<T, VEC> raw[kLoads];
   float m = -INFINITY, s = 0.f;
 #pragma unroll
   for (int k = 0; k < kLoads; ++k) {
     const int64_t v = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
     if (v >= V) break;
-    load<VEC>(x + v, xv[k]);
-    float chunk_max = xv[k][0];
+    raw[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + v);
+    float chunk_max = static_cast<float>(raw[k].v[0]);
 #pragma unroll
-    for (int i = 1; i < VEC; ++i) chunk_max = fmaxf(chunk_max, xv[k][i]);
+    for (int i = 1; i < VEC; ++i) chunk_max = fmaxf(chunk_max, static_cast<float>(raw[k].v[i]));
     if (chunk_max > m) {
       s *= __expf(m - chunk_max);
       m = chunk_max;
     }
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) s += __expf(xv[k][i] - m);
+    for (int i = 0; i < VEC; ++i) s += __expf(static_cast<float>(raw[k].v[i]) - m);
   }
   block_merge<kLossThreads>(m, s, [](float& m1, float& s1, float m2, float s2) {
     merge_max_sum(m1, s1, m2, s2);
@@ -464,9 +464,11 @@ __global__ void __launch_bounds__(kLossThreads)
   for (int k = 0; k < kLoads; ++k) {
     const int64_t v = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
     if (v >= V) break;
+    float d[VEC];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) xv[k][i] = (__expf(xv[k][i] - l) - (v + i == label ? 1.f : 0.f)) * g;
-    store<VEC>(x + v, xv[k]);
+    for (int i = 0; i < VEC; ++i)
+      d[i] = (__expf(static_cast<float>(raw[k].v[i]) - l) - (v + i == label ? 1.f : 0.f)) * g;
+    store<VEC>(x + v, d);
   }
 }
 
