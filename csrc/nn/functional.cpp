@@ -472,6 +472,7 @@ struct SummedLinearCrossEntropyFunction
     const int64_t N = hidden.size(0);
     auto f32 = hidden.options().dtype(torch::kFloat32);
     auto loss = torch::empty({N}, f32), lse = torch::empty({N}, f32);
+    auto ones = torch::ones({std::min(chunk_rows, N)}, f32);  // d loss of every row of the sum
     torch::Tensor dhidden, dweight;
     if (hidden.requires_grad()) dhidden = torch::empty(hidden.sizes(), hidden.options());
     // d weight sums over all chunks, in float32 for a half-precision weight (as the per-token
@@ -487,14 +488,11 @@ struct SummedLinearCrossEntropyFunction
       auto labels_chunk = labels.narrow(0, start, rows);
       auto lse_chunk = lse.narrow(0, start, rows);
       auto logits = plain_linear(h, weight);
-      if (!dhidden.defined() && !dweight.defined()) {
-        cuda::cross_entropy_forward(logits, labels_chunk, ignore_index,
-                                    loss.narrow(0, start, rows), lse_chunk);
-        continue;
-      }
-      // the loss, and the logits turned into d logits of the sum in place
-      cuda::cross_entropy_with_gradient(logits, labels_chunk, ignore_index,
-                                        loss.narrow(0, start, rows), lse_chunk);
+      cuda::cross_entropy_forward(logits, labels_chunk, ignore_index, loss.narrow(0, start, rows),
+                                  lse_chunk);
+      if (!dhidden.defined() && !dweight.defined()) continue;
+      cuda::cross_entropy_backward(ones.narrow(0, 0, rows), logits, labels_chunk, lse_chunk,
+                                   ignore_index, logits);  // in place
       if (dhidden.defined()) {
         auto out = dhidden.narrow(0, start, rows);
         torch::mm_out(out, logits, weight);

@@ -399,11 +399,11 @@ def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, need
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("V", [1000, 1001, 32768])  # one pass (16 and 64 logits a thread); 1001:
-def test_reduced_loss_bitwise_the_per_token_loss(V):  # two kernels (rows not 16-byte aligned)
-    """On CUDA the summed loss makes d logits in its forward (one pass over a row where it fits,
-    else the loss kernels in turn) where the per-token loss makes the logits again in its
-    backward: with the same chunks and d loss = 1 the loss and both gradients are bitwise equal."""
+@pytest.mark.parametrize("V", [1000, 1001, 32768])  # 1001: rows not 16-byte aligned
+def test_reduced_loss_bitwise_the_per_token_loss(V):
+    """On CUDA the summed loss makes d logits in its forward where the per-token loss makes the
+    logits again in its backward: with the same chunks and d loss = 1 the loss and both
+    gradients are bitwise equal."""
     g = torch.Generator(device="cuda").manual_seed(3)
     hidden = torch.randn(2, 37, 64, device="cuda", generator=g).to(torch.bfloat16)
     weight = (torch.randn(V, 64, device="cuda", generator=g) / 4).to(torch.bfloat16)

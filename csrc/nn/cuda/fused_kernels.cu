@@ -7,7 +7,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/ones.h>
 #include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -408,67 +407,6 @@ __global__ void __launch_bounds__(kLossThreads)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) xv[i] = (__expf(xv[i] - l) - (v + i == label ? 1.f : 0.f)) * g;
     store<VEC>(dx + v, xv);
-  }
-}
-
-// A row's loss and its gradient (d loss = 1) in one pass over the logits, for a loss reduced in the
-// forward: each thread keeps its kValues logits (kValues / VEC 16-byte loads, packed: two blocks
-// fit an SM) in registers, the (max, sum) pass is cross_entropy_forward_kernel's (same chunks, same
-// order), and the logits are then overwritten with (softmax - onehot) as
-// cross_entropy_backward_kernel writes them: bitwise the two kernels, one read of the logits fewer.
-template <typename T, int VEC, int kValues>
-__global__ void __launch_bounds__(kLossThreads, 2)
-    cross_entropy_with_gradient_kernel(T* logits, int64_t rs, const int64_t* __restrict__ labels,
-                                       float* __restrict__ loss, float* __restrict__ lse, int64_t V,
-                                       int64_t ignore_index) {
-  constexpr int kLoads = kValues / VEC;
-  const int64_t row = blockIdx.x;
-  T* x = logits + row * rs;
-  Pack<T, VEC> raw[kLoads];
-  float m = -INFINITY, s = 0.f;
-#pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    const int64_t v = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
-    if (v >= V) break;
-    raw[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + v);
-    float chunk_max = static_cast<float>(raw[k].v[0]);
-#pragma unroll
-    for (int i = 1; i < VEC; ++i) chunk_max = fmaxf(chunk_max, static_cast<float>(raw[k].v[i]));
-    if (chunk_max > m) {
-      s *= __expf(m - chunk_max);
-      m = chunk_max;
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) s += __expf(static_cast<float>(raw[k].v[i]) - m);
-  }
-  block_merge<kLossThreads>(m, s, [](float& m1, float& s1, float m2, float s2) {
-    merge_max_sum(m1, s1, m2, s2);
-  });
-  __shared__ float row_lse;
-  const int64_t label = labels[row];
-  if (threadIdx.x == 0) {
-    const float l = m + logf(s);
-    lse[row] = l;
-    row_lse = l;
-    if (label == ignore_index) {
-      loss[row] = 0.f;
-    } else if (label < 0 || label >= V) {
-      loss[row] = NAN;
-    } else {
-      loss[row] = l - static_cast<float>(x[label]);  // (read before the barrier; written after)
-    }
-  }
-  __syncthreads();
-  const float l = row_lse, g = label == ignore_index ? 0.f : 1.f;
-#pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    const int64_t v = (int64_t(k) * blockDim.x + threadIdx.x) * VEC;
-    if (v >= V) break;
-    float d[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i)
-      d[i] = (__expf(static_cast<float>(raw[k].v[i]) - l) - (v + i == label ? 1.f : 0.f)) * g;
-    store<VEC>(x + v, d);
   }
 }
 
@@ -889,36 +827,6 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
           labels.data_ptr<int64_t>(), lse.data_ptr<float>(), dlogits.data_ptr<scalar_t>(), V,
           ignore_index);
     });
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void cross_entropy_with_gradient(const at::Tensor& logits, const at::Tensor& labels,
-                                 int64_t ignore_index, const at::Tensor& loss,
-                                 const at::Tensor& lse) {
-  c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t rows = logits.size(0), V = logits.size(1);
-  if (rows == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  // One pass where a row fits the registers (half-precision logits, 16-byte loads, V <= 512 x 64);
-  // else the two kernels.
-  const bool half = logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16;
-  if (!half || loss_vector_width(V, {logits}) != 8 || V > int64_t(kLossThreads) * 64) {
-    cross_entropy_forward(logits, labels, ignore_index, loss, lse);
-    cross_entropy_backward(at::ones({rows}, loss.options()), logits, labels, lse, ignore_index,
-                           logits);
-    return;
-  }
-  FOX_HALF_TYPES(logits.scalar_type(), "cross_entropy_with_gradient", [&] {
-    auto launch = [&](auto kernel) {
-      kernel<<<unsigned(rows), kLossThreads, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), logits.stride(0), labels.data_ptr<int64_t>(),
-          loss.data_ptr<float>(), lse.data_ptr<float>(), V, ignore_index);
-    };
-    if (V <= int64_t(kLossThreads) * 16)
-      launch(cross_entropy_with_gradient_kernel<scalar_t, 8, 16>);
-    else
-      launch(cross_entropy_with_gradient_kernel<scalar_t, 8, 64>);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

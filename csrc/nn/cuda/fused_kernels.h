@@ -56,12 +56,6 @@ void cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
 void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
                             const at::Tensor& labels, const at::Tensor& lse, int64_t ignore_index,
                             const at::Tensor& dlogits);
-// cross_entropy_forward, then the logits overwritten in place by their gradient with d loss = 1
-// (0 on ignored rows): bitwise the two calls, in one pass over the logits where a row fits (16-bit
-// logits, rows 16-byte aligned, V <= 32768).
-void cross_entropy_with_gradient(const at::Tensor& logits, const at::Tensor& labels,
-                                 int64_t ignore_index, const at::Tensor& loss,
-                                 const at::Tensor& lse);
 
 // out[r] = index of the largest value of row r of x (rows, V) (V >= 1), as torch.argmax: the first
 // on ties, NaN counting as the largest. out (rows,) int64.
