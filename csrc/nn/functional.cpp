@@ -460,10 +460,10 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 
 #ifdef FOX_WITH_CUDA
 // The sum of LinearCrossEntropyFunction's per-token losses, its gradients made in the forward (the
-// fused CUDA path only): each chunk's logits become the d logits of the sum in place and go straight
-// into d hidden and d weight, so the logits are made once instead of twice (once more in the
-// backward), and the backward only scales the two gradients by the incoming one (a scalar). A
-// per-token loss cannot do this: its rows' gradients are known only in the backward.
+// fused CUDA path only): each chunk's logits become the d logits of the sum in place and go
+// straight into d hidden and d weight, so the logits are made once instead of twice, and the
+// backward only scales the two gradients by the incoming one (a scalar). A per-token loss cannot
+// do this: its rows' gradients are known only in the backward.
 struct SummedLinearCrossEntropyFunction
     : public torch::autograd::Function<SummedLinearCrossEntropyFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
@@ -521,22 +521,21 @@ struct SummedLinearCrossEntropyFunction
 };
 #endif  // FOX_WITH_CUDA
 
-// The loss of per-token losses (float32, 0 where the label is ignore_index) as `reduction` asks.
-torch::Tensor reduce_loss(const torch::Tensor& per_token, const torch::Tensor& labels,
-                          int64_t ignore_index, const std::string& reduction) {
-  if (reduction == "none") return per_token;
-  auto total = per_token.sum();
-  if (reduction == "sum") return total;
-  return total / (labels != ignore_index).sum().to(total.scalar_type());  // "mean"
-}
-
-void check_reduction(const std::string& reduction) {
-  TORCH_CHECK(reduction == "none" || reduction == "sum" || reduction == "mean",
-              "linear_cross_entropy: reduction must be 'none', 'sum' or 'mean', got '", reduction,
-              "'");
-}
-
 }  // namespace
+
+void check_loss_reduction(const std::string& reduction, const char* caller) {
+  TORCH_CHECK(reduction == "none" || reduction == "sum" || reduction == "mean", caller,
+              ": reduction must be 'none', 'sum' or 'mean', got '", reduction, "'");
+}
+
+torch::Tensor reduce_loss(const torch::Tensor& loss, const torch::Tensor& labels,
+                          int64_t ignore_index, const std::string& reduction) {
+  check_loss_reduction(reduction, "reduce_loss");
+  if (reduction == "none") return loss;
+  auto total = loss.dim() == 0 ? loss : loss.sum();
+  if (reduction == "sum") return total;
+  return total / (labels != ignore_index).sum().to(total.scalar_type());
+}
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int64_t group_size,
                        double eps) {
@@ -776,7 +775,7 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
                                    const torch::Tensor& labels, int64_t ignore_index,
                                    int64_t chunk_rows, const std::string& reduction) {
   TORCH_CHECK(chunk_rows >= 0, "linear_cross_entropy: chunk_rows must be >= 0, got ", chunk_rows);
-  check_reduction(reduction);
+  check_loss_reduction(reduction, "linear_cross_entropy");
   if (without_autograd({hidden, weight}) || hidden.dim() < 1 || hidden.numel() == 0 ||
       weight.dim() != 2) {
     return reduce_loss(cross_entropy(functional::linear(hidden, weight), labels, ignore_index),
@@ -799,8 +798,7 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
 #ifdef FOX_WITH_CUDA
   if (reduction != "none" && LinearCrossEntropyFunction::direct(h)) {
     auto total = SummedLinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows);
-    if (reduction == "sum") return total;
-    return total / (flat != ignore_index).sum().to(total.scalar_type());
+    return reduce_loss(total, flat, ignore_index, reduction);
   }
 #endif
   return reduce_loss(LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows)

@@ -274,9 +274,7 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
     const torch::Tensor& input_ids, const std::optional<torch::Tensor>& labels, KVCache* cache,
     const std::optional<torch::Tensor>& seq_start, const std::string& reduction) {
-  TORCH_CHECK(reduction == "none" || reduction == "sum" || reduction == "mean",
-              "ForgettingTransformerForCausalLM: reduction must be 'none', 'sum' or 'mean', got '",
-              reduction, "'");
+  functional::check_loss_reduction(reduction, "ForgettingTransformerForCausalLM");
   auto hidden = model->forward(input_ids, cache, seq_start);
   if (!labels.has_value() || !labels->defined()) return logits(hidden);
   TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",
@@ -299,9 +297,7 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::loss(const torch::Tensor& hi
                 v, "'");
     if (chunk_rows == 0) {
       auto per_token = functional::cross_entropy(logits(hidden_states), targets, -100);
-      if (reduction == "none") return per_token;
-      auto total = per_token.sum();
-      return reduction == "sum" ? total : total / (targets != -100).sum().to(total.scalar_type());
+      return functional::reduce_loss(per_token, targets, -100, reduction);
     }
   }
   return functional::linear_cross_entropy(hidden_states, weight, targets, -100, chunk_rows,

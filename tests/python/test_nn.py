@@ -440,7 +440,8 @@ def test_reduced_loss_matches_per_token(device, dtype, tied, reduction, monkeypa
                 loss = model(ids, labels=labels).sum()
                 loss = loss / valid if reduction == "mean" else loss
         (loss * 0.37).backward()
-        return loss.detach().double(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        return loss.detach().double(), grads
 
     loss_r, grads_r = step(model, ids, labels, True)
     loss, grads = step(model, ids, labels, False)
@@ -448,6 +449,13 @@ def test_reduced_loss_matches_per_token(device, dtype, tied, reduction, monkeypa
     if device == "cpu":  # (bad-argument errors are checked on the CPU: see NOTES, "Hygiene run")
         with pytest.raises(RuntimeError, match="reduction"):
             model(ids, labels=labels, reduction="avg")
+    monkeypatch.setenv("FOX_LOSS_CHUNK_ROWS", "0")  # the whole logits: reduced by reduce_loss
+    with torch.no_grad(), torch.autocast(ids.device.type, dtype=autocast,
+                                         enabled=autocast is not None):
+        whole = model(ids, labels=labels, reduction=reduction)
+    monkeypatch.delenv("FOX_LOSS_CHUNK_ROWS")
+    torch.testing.assert_close(whole.double(), loss, rtol=1e-6 if dtype == torch.float64 else 2e-3,
+                               atol=0)
     assert_step_matches(dtype, autocast, (loss_r, grads_r), (loss, grads), lambda: step(
         model.double().cpu(), ids.cpu(), labels.cpu(), False))
 

@@ -82,6 +82,14 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
                                    const torch::Tensor& labels, int64_t ignore_index = -100,
                                    int64_t chunk_rows = 0, const std::string& reduction = "none");
 
+/// A loss reduced as `reduction` asks: "none" (loss as it is), "sum" or "mean" (the sum divided by
+/// the count of labels that are not ignore_index). loss: per-token losses, 0 at ignored labels, or
+/// their sum already (a scalar).
+torch::Tensor reduce_loss(const torch::Tensor& loss, const torch::Tensor& labels,
+                          int64_t ignore_index, const std::string& reduction);
+/// Errors (naming `caller`) unless reduction is "none", "sum" or "mean".
+void check_loss_reduction(const std::string& reduction, const char* caller);
+
 /// argmax(x, -1) as int64 (the first index on ties, NaN counting as the largest, as torch.argmax):
 /// a greedy decoding step's token. On CUDA one kernel per call (torch's reduction takes ~16 us for
 /// one 50k-vocabulary row on an H100).
