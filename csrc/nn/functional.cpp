@@ -360,6 +360,31 @@ struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLin
 };
 #endif  // FOX_WITH_CUDA
 
+// The LM head loss's weight gradient, summed over the row chunks: zeros, in float32 for a
+// half-precision weight (on CUDA the chunks' GEMMs accumulate into it: one rounding at the end, as
+// the composition's single GEMM).
+torch::Tensor weight_grad_accumulator(const torch::Tensor& weight) {
+  const bool half = weight.scalar_type() == torch::kFloat16 ||
+                    weight.scalar_type() == torch::kBFloat16;
+  return torch::zeros(weight.sizes(), weight.options().dtype(half ? torch::kFloat32
+                                                                  : weight.scalar_type()));
+}
+
+// A chunk's d logits (its rows h of hidden, from row `start`) into d hidden's rows and into d
+// weight, each where defined. accumulate_in_gemm: CUDA's GEMM adds into a float32 d weight.
+void add_chunk_gradients(const torch::Tensor& dlogits, const torch::Tensor& h,
+                         const torch::Tensor& weight, int64_t start, const torch::Tensor& dhidden,
+                         torch::Tensor& dweight, bool accumulate_in_gemm) {
+  if (dhidden.defined()) {
+    auto out = dhidden.narrow(0, start, h.size(0));
+    torch::mm_out(out, dlogits, weight);
+  }
+  if (!dweight.defined()) return;
+  if (dweight.scalar_type() == weight.scalar_type()) dweight.addmm_(dlogits.t(), h);
+  else if (accumulate_in_gemm) at::addmm_out(dweight, dweight, dlogits.t(), h, torch::kFloat32);
+  else dweight.add_(dlogits.t().mm(h));  // CPU: mm.dtype is CUDA's
+}
+
 // Per-token cross entropy of hidden (N, C) @ weight (V, C)^T against labels (N,), the logits made
 // chunk_rows rows at a time in the forward and again in the backward, never kept. On CUDA the
 // fused loss kernels run on each chunk: the forward keeps every row's log-sum-exp, and the
@@ -418,13 +443,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     auto dloss = grads[0].to(torch::ScalarType(ctx->saved_data["loss_dtype"].toInt())).contiguous();
     torch::Tensor dhidden, dweight;
     if (ctx->needs_input_grad(0)) dhidden = torch::empty(hidden.sizes(), hidden.options());
-    // The weight's gradient sums over all chunks: in float32 for a half-precision weight (on CUDA
-    // the GEMMs accumulate into it: one rounding at the end, as the composition's single GEMM).
-    const bool half = weight.scalar_type() == torch::kFloat16 ||
-                      weight.scalar_type() == torch::kBFloat16;
-    if (ctx->needs_input_grad(1))
-      dweight = torch::zeros(weight.sizes(), weight.options().dtype(half ? torch::kFloat32
-                                                                       : weight.scalar_type()));
+    if (ctx->needs_input_grad(1)) dweight = weight_grad_accumulator(weight);
     for (int64_t start = 0; start < hidden.size(0); start += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, hidden.size(0) - start);
       auto h = hidden.narrow(0, start, rows);
@@ -443,15 +462,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
         auto loss = cross_entropy(logits, labels.narrow(0, start, rows), ignore_index);
         dlogits = torch::autograd::grad({loss}, {logits}, {dloss.narrow(0, start, rows)})[0];
       }
-      if (dhidden.defined()) {
-        auto out = dhidden.narrow(0, start, rows);
-        torch::mm_out(out, dlogits, weight);
-      }
-      if (dweight.defined()) {
-        if (!half) dweight.addmm_(dlogits.t(), h);
-        else if (lse.defined()) at::addmm_out(dweight, dweight, dlogits.t(), h, torch::kFloat32);
-        else dweight.add_(dlogits.t().mm(h));  // CPU: mm.dtype is CUDA's
-      }
+      add_chunk_gradients(dlogits, h, weight, start, dhidden, dweight, lse.defined());
     }
     if (dweight.defined()) dweight = dweight.to(weight.scalar_type());
     return {dhidden, dweight, torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -475,13 +486,7 @@ struct SummedLinearCrossEntropyFunction
     auto ones = torch::ones({std::min(chunk_rows, N)}, f32);  // d loss of every row of the sum
     torch::Tensor dhidden, dweight;
     if (hidden.requires_grad()) dhidden = torch::empty(hidden.sizes(), hidden.options());
-    // d weight sums over all chunks, in float32 for a half-precision weight (as the per-token
-    // loss's backward).
-    const bool half = weight.scalar_type() == torch::kFloat16 ||
-                      weight.scalar_type() == torch::kBFloat16;
-    if (weight.requires_grad())
-      dweight = torch::zeros(weight.sizes(), weight.options().dtype(half ? torch::kFloat32
-                                                                       : weight.scalar_type()));
+    if (weight.requires_grad()) dweight = weight_grad_accumulator(weight);
     for (int64_t start = 0; start < N; start += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, N - start);
       auto h = hidden.narrow(0, start, rows);
@@ -493,14 +498,7 @@ struct SummedLinearCrossEntropyFunction
       if (!dhidden.defined() && !dweight.defined()) continue;
       cuda::cross_entropy_backward(ones.narrow(0, 0, rows), logits, labels_chunk, lse_chunk,
                                    ignore_index, logits);  // in place
-      if (dhidden.defined()) {
-        auto out = dhidden.narrow(0, start, rows);
-        torch::mm_out(out, logits, weight);
-      }
-      if (dweight.defined()) {
-        if (half) at::addmm_out(dweight, dweight, logits.t(), h, torch::kFloat32);
-        else dweight.addmm_(logits.t(), h);
-      }
+      add_chunk_gradients(logits, h, weight, start, dhidden, dweight, true);
     }
     ctx->saved_data["dhidden"] = dhidden;
     ctx->saved_data["dweight"] = dweight;
