@@ -1,5 +1,6 @@
 #include <fox/nn/attention.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include <torch/nn/functional/activation.h>
@@ -205,7 +206,7 @@ ForgettingAttentionLayerImpl::concatenate_projections(
 }
 
 ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
-    const torch::Tensor& x) {
+    const torch::Tensor& x, bool transform) {
   // One GEMM for every projection of x: the weights are concatenated (the parameters keep the
   // authors' names) and the backward of split_with_sizes is one concatenation. The wide outputs
   // come first. With autograd the concatenation is redone every call (it is part of the graph);
@@ -239,11 +240,44 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   } else {
     fresh = concatenate_projections(linears, !torch::GradMode::is_enabled());
   }
-  auto parts = functional::linear(x, c->weight, c->bias).split_with_sizes(c->widths, -1);
+  auto y = functional::linear(x, c->weight, c->bias);
+  auto has_bias = [&](size_t i) { return i < c->part_biases.size() && c->part_biases[i].defined(); };
+  std::vector<int64_t> first(targets.size());
+  for (size_t i = 1; i < targets.size(); ++i) first[i] = first[i - 1] + c->widths[i - 1];
+  auto index_of = [&](const torch::Tensor* target) {
+    return int64_t(std::find(targets.begin(), targets.end(), target) - targets.begin());
+  };
+  const int64_t ks = k_shift_proj ? index_of(&out.k_shift_logits) : -1;
+  const int64_t vs = v_shift_proj ? index_of(&out.v_shift_logits) : -1;
+  // The parts the transform reads must come as they are (a bias would be added first).
+  const bool whole = !(has_bias(0) || has_bias(1) || has_bias(2) || (ks >= 0 && has_bias(ks)) ||
+                       (vs >= 0 && has_bias(vs)));
+  std::vector<torch::Tensor> parts;
+  if (transform && whole && !q_norm_shared) {
+    functional::AttentionInputLayout l;
+    l.q = first[0], l.k = first[1], l.v = first[2];
+    l.q_width = c->widths[0], l.kv_width = c->widths[1];
+    l.k_shift = ks >= 0 ? first[ks] : -1, l.v_shift = vs >= 0 ? first[vs] : -1;
+    l.shift_heads = ks >= 0 ? c->widths[ks] : vs >= 0 ? c->widths[vs] : 0;
+    l.q_group = l.k_group = q_norm ? head_dim() : 0;
+    l.norm_eps = options.qk_norm_eps();
+    for (size_t i = 3; i < targets.size(); ++i) {
+      if (int64_t(i) != ks && int64_t(i) != vs) l.passed.emplace_back(first[i], c->widths[i]);
+    }
+    auto outs = functional::attention_inputs(y, l, q_norm ? q_norm->weight : torch::Tensor(),
+                                             k_norm ? k_norm->weight : torch::Tensor());
+    parts.assign(targets.size(), torch::Tensor());
+    parts[0] = outs[0], parts[1] = outs[1], parts[2] = outs[2];
+    for (size_t i = 3, j = 3; i < targets.size(); ++i) {
+      if (int64_t(i) != ks && int64_t(i) != vs) parts[i] = outs[j++];
+    }
+    out.transformed = true;
+  } else {
+    parts = y.split_with_sizes(c->widths, -1);
+  }
   for (size_t i = 0; i < targets.size(); ++i) {
     *targets[i] = parts[i];
-    if (i < c->part_biases.size() && c->part_biases[i].defined())
-      *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
+    if (has_bias(i)) *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
   }
   return out;
 }
@@ -307,7 +341,9 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     x = x * valid.unsqueeze(-1).to(x.scalar_type());
   }
 
-  auto p = project_input(x);
+  // Without a cache or a shard the KV-shifts start from zeros: project_input applies them and the
+  // norms (one autograd node for the layer's whole input side).
+  auto p = project_input(x, /*transform=*/!cache && !shard);
   auto shifted = [&](ShiftLinear& shift, const torch::Tensor& projected,
                      const torch::Tensor& logits, torch::Tensor* state) {
     // A static cache's state is updated in place (one kernel with the mix in a decoding step).
@@ -321,13 +357,13 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
     return out;
   };
   auto q = p.q;
-  auto k = k_shift_proj ? shifted(k_shift_proj, p.k, p.k_shift_logits,
-                                  cache ? &cache->key_shift : nullptr)
-                        : p.k;
-  auto v = v_shift_proj ? shifted(v_shift_proj, p.v, p.v_shift_logits,
-                                  cache ? &cache->value_shift : nullptr)
-                        : p.v;
-  if (q_norm) {
+  auto k = k_shift_proj && !p.transformed
+               ? shifted(k_shift_proj, p.k, p.k_shift_logits, cache ? &cache->key_shift : nullptr)
+               : p.k;
+  auto v = v_shift_proj && !p.transformed
+               ? shifted(v_shift_proj, p.v, p.v_shift_logits, cache ? &cache->value_shift : nullptr)
+               : p.v;
+  if (q_norm && !p.transformed) {
     q = q_norm(q);
     k = k_norm(k);
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include <ATen/autocast_mode.h>
@@ -206,6 +207,162 @@ struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   }
 };
 
+// The parts of an attention layer's input projection y (B, T, W) and its q, k and v as in
+// attention_inputs, with autograd: the backward's kernels write every part's gradient into its
+// columns of one (B, T, W) tensor (strided rows), so the projection's backward takes it as it is,
+// with no concatenation of the parts' gradients (split_with_sizes' backward). The parts passed
+// through are views of y; their gradients are copied in. Bitwise the composition: the same kernels
+// on the same views.
+struct AttentionInputsFunction : public torch::autograd::Function<AttentionInputsFunction> {
+  // The layout as saved data: the fields in order, then the passed parts' (column, width) pairs.
+  static std::vector<int64_t> pack(const AttentionInputLayout& l) {
+    std::vector<int64_t> v = {l.q,       l.k,       l.v,           l.q_width, l.kv_width,
+                              l.k_shift, l.v_shift, l.shift_heads, l.q_group, l.k_group};
+    for (const auto& [first, width] : l.passed) v.insert(v.end(), {first, width});
+    return v;
+  }
+  static AttentionInputLayout unpack(const std::vector<int64_t>& v, double eps) {
+    AttentionInputLayout l;
+    std::tie(l.q, l.k, l.v, l.q_width, l.kv_width) = std::tuple(v[0], v[1], v[2], v[3], v[4]);
+    std::tie(l.k_shift, l.v_shift, l.shift_heads, l.q_group, l.k_group) =
+        std::tuple(v[5], v[6], v[7], v[8], v[9]);
+    for (size_t i = 10; i + 1 < v.size(); i += 2) l.passed.emplace_back(v[i], v[i + 1]);
+    l.norm_eps = eps;
+    return l;
+  }
+  // A norm weight as the norm kernels read it: float32 or y's dtype as it is.
+  static torch::Tensor kernel_weight(const std::optional<torch::Tensor>& w, const torch::Tensor& y) {
+    if (!w || !w->defined()) return {};
+    auto c = w->contiguous();
+    return c.scalar_type() == torch::kFloat32 || c.scalar_type() == y.scalar_type()
+               ? c
+               : c.to(torch::kFloat32);
+  }
+
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& y,
+                               const std::optional<torch::Tensor>& q_weight,
+                               const std::optional<torch::Tensor>& k_weight,
+                               const AttentionInputLayout& l) {
+    const int64_t B = y.size(0), T = y.size(1), rows = B * T, W = y.size(2);
+    const auto y2 = y.view({rows, W});
+    const auto qw = kernel_weight(q_weight, y), kw = kernel_weight(k_weight, y);
+    const auto f32 = y.options().dtype(torch::kFloat32);
+    torch::Tensor q = y.narrow(2, l.q, l.q_width), rstd_q, rstd_k, k_shifted;
+    if (l.q_group) {
+      auto normed = torch::empty({B, T, l.q_width}, y.options());
+      rstd_q = torch::empty({rows, l.q_width / l.q_group}, f32);
+      cuda::rms_norm_forward(y2.narrow(1, l.q, l.q_width), qw, l.q_group, l.norm_eps,
+                             normed.view({rows, l.q_width}), rstd_q);
+      q = normed;
+    }
+    auto shifted = [&](int64_t first, int64_t shift) {
+      auto part = y.narrow(2, first, l.kv_width);
+      if (shift < 0) return part;
+      auto out = torch::empty({B, T, l.kv_width}, y.options());
+      cuda::shift_mix_forward(part, y.narrow(2, shift, l.shift_heads), {}, out);
+      return out;
+    };
+    auto k = shifted(l.k, l.k_shift);
+    if (l.k_group) {
+      k_shifted = k;
+      auto normed = torch::empty({B, T, l.kv_width}, y.options());
+      rstd_k = torch::empty({rows, l.kv_width / l.k_group}, f32);
+      cuda::rms_norm_forward(rows_view(k), kw, l.k_group, l.norm_eps,
+                             normed.view({rows, l.kv_width}), rstd_k);
+      k = normed;
+    }
+    variable_list out = {q, k, shifted(l.v, l.v_shift)};
+    for (const auto& [first, width] : l.passed) out.push_back(y.narrow(2, first, width));
+    // y only for the kernels' backward (untransformed parts' gradients are copies): a layer
+    // without norms and shifts frees it with the last view of it the backward reads.
+    const bool reads_y = l.q_group || l.k_group || l.k_shift >= 0 || l.v_shift >= 0;
+    ctx->save_for_backward({reads_y ? y : torch::Tensor(), qw, kw, rstd_q, rstd_k, k_shifted});
+    ctx->saved_data["y_sizes"] = y.sizes().vec();
+    ctx->saved_data["y_dtype"] = int64_t(y.scalar_type());
+    ctx->saved_data["layout"] = pack(l);
+    ctx->saved_data["eps"] = l.norm_eps;
+    ctx->saved_data["q_weight_dtype"] = int64_t(q_weight ? q_weight->scalar_type() : torch::kFloat32);
+    ctx->saved_data["k_weight_dtype"] = int64_t(k_weight ? k_weight->scalar_type() : torch::kFloat32);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &y = saved[0], &qw = saved[1], &kw = saved[2], &rstd_q = saved[3],
+               &rstd_k = saved[4], &k_shifted = saved[5];
+    const auto l = unpack(ctx->saved_data["layout"].toIntVector(), ctx->saved_data["eps"].toDouble());
+    const auto sizes = ctx->saved_data["y_sizes"].toIntVector();
+    const int64_t B = sizes[0], T = sizes[1], rows = B * T, W = sizes[2];
+    const auto y2 = y.defined() ? y.view({rows, W}) : y;
+    const auto dtype = torch::ScalarType(ctx->saved_data["y_dtype"].toInt());
+    auto dy = torch::empty(sizes, grads[0].options().dtype(dtype));
+    const auto dy2 = dy.view({rows, W});
+    std::vector<bool> covered(W, false);
+    auto columns = [&](int64_t first, int64_t width) {
+      std::fill(covered.begin() + first, covered.begin() + first + width, true);
+      return dy2.narrow(1, first, width);
+    };
+    // An incoming gradient copied into its part's columns.
+    auto put = [&](int64_t first, int64_t width, const torch::Tensor& grad) {
+      auto into = columns(first, width);
+      auto g = rows_view(grad.reshape({rows, width}));
+      if (rows_fit(width, width, {g, into})) cuda::copy_rows(g, into);
+      else into.copy_(g);
+    };
+    // The norm kernels' backward takes a float32 weight and makes a float32 weight gradient.
+    auto float32 = [](const torch::Tensor& w) { return w.defined() ? w.to(torch::kFloat32) : w; };
+    auto norm_weight_grad = [&](const torch::Tensor& w, int index) {
+      return w.defined() && ctx->needs_input_grad(index)
+                 ? torch::empty({w.size(0)}, y.options().dtype(torch::kFloat32))
+                 : torch::Tensor();
+    };
+    // q: the norm's backward into q's columns
+    auto dq_w = norm_weight_grad(qw, 1);
+    if (l.q_group) {
+      cuda::rms_norm_backward(aligned(rows_view(grads[0])), y2.narrow(1, l.q, l.q_width),
+                              float32(qw), rstd_q, l.q_group,
+                              columns(l.q, l.q_width), dq_w);
+    } else {
+      put(l.q, l.q_width, grads[0]);
+    }
+    // k and v: the norm's backward, then the KV-shift's into the part's and its logits' columns
+    auto shift_back = [&](const torch::Tensor& d, int64_t first, int64_t shift) {
+      if (shift < 0) return put(first, l.kv_width, d);
+      columns(first, l.kv_width);
+      columns(shift, l.shift_heads);
+      cuda::shift_mix_backward(d.view({B, T, l.kv_width}), y.narrow(2, first, l.kv_width),
+                               y.narrow(2, shift, l.shift_heads), {},
+                               dy.narrow(2, first, l.kv_width), dy.narrow(2, shift, l.shift_heads),
+                               {});
+    };
+    const auto dk = l.k_group || l.k_shift >= 0 ? aligned(rows_view(grads[1])) : grads[1];
+    auto dk_w = norm_weight_grad(kw, 2);
+    if (l.k_group) {
+      auto into = l.k_shift < 0 ? columns(l.k, l.kv_width) : torch::empty_like(dk);
+      cuda::rms_norm_backward(dk, l.k_shift < 0 ? y2.narrow(1, l.k, l.kv_width) : rows_view(k_shifted),
+                              float32(kw), rstd_k, l.k_group, into, dk_w);
+      if (l.k_shift >= 0) shift_back(into, l.k, l.k_shift);
+    } else {
+      shift_back(l.k_shift < 0 ? grads[1] : dk, l.k, l.k_shift);
+    }
+    shift_back(l.v_shift < 0 ? grads[2] : aligned(rows_view(grads[2])), l.v, l.v_shift);
+    for (size_t i = 0; i < l.passed.size(); ++i) put(l.passed[i].first, l.passed[i].second, grads[3 + i]);
+    // Columns of no part (the projection's padding) get zeros.
+    for (int64_t c = 0; c < W;) {
+      if (covered[c]) { ++c; continue; }
+      int64_t end = c;
+      while (end < W && !covered[end]) ++end;
+      dy2.narrow(1, c, end - c).zero_();
+      c = end;
+    }
+    auto weight_grad = [&](torch::Tensor dw, const char* dtype_key) {
+      return dw.defined() ? dw.to(torch::ScalarType(ctx->saved_data[dtype_key].toInt())) : dw;
+    };
+    return {dy, weight_grad(dq_w, "q_weight_dtype"), weight_grad(dk_w, "k_weight_dtype"),
+            torch::Tensor()};
+  }
+};
+
 struct GatedFunction : public torch::autograd::Function<GatedFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
                                const torch::Tensor& value, bool silu) {
@@ -294,6 +451,9 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
     const auto weight = saved[2].detach();
     auto gate = saved[0].detach(), value = saved[1].detach();
     const bool need_gate = ctx->needs_input_grad(0), need_value = ctx->needs_input_grad(1);
+#ifdef FOX_WITH_CUDA
+    if (auto out = fused_backward(ctx, grads[0], gate, value, weight)) return *out;
+#endif
     variable_list inputs;
     if (need_gate) inputs.push_back(gate.requires_grad_(true));
     if (need_value) inputs.push_back(value.requires_grad_(true));
@@ -315,6 +475,37 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
     }
     return out;
   }
+
+#ifdef FOX_WITH_CUDA
+  // The same gradients when the gated kernels take gate and value and the product needs no cast:
+  // the gated backward kernel writes the product for the weight's gradient as it goes (bitwise
+  // gated_forward's), instead of a second kernel reading gate and value again. nullopt otherwise.
+  static std::optional<variable_list> fused_backward(AutogradContext* ctx,
+                                                     const torch::Tensor& dy_in,
+                                                     const torch::Tensor& gate,
+                                                     const torch::Tensor& value,
+                                                     const torch::Tensor& weight) {
+    const auto dtype = torch::ScalarType(ctx->saved_data["dtype"].toInt());
+    if (!(ctx->needs_input_grad(0) || ctx->needs_input_grad(1)) || !fused(gate) ||
+        gate.scalar_type() != dtype || value.scalar_type() != dtype || gate.numel() == 0 ||
+        gate.device() != value.device() ||
+        !rows_fit(gate.size(-1), gate.size(-1), {rows_view(gate), rows_view(value)})) {
+      return std::nullopt;
+    }
+    const auto g = rows_view(gate), u = rows_view(value);
+    const auto dy = dy_in.reshape({-1, dy_in.size(-1)});
+    auto dg = torch::empty(g.sizes(), g.options()), du = torch::empty(u.sizes(), u.options());
+    auto dh = aligned(dy.mm(weight));
+    const auto h = ctx->needs_input_grad(2) ? dh : torch::Tensor();  // in place of dh
+    cuda::gated_backward(dh, g, u, is_silu(ctx->saved_data["act"].toStringRef()), dg, du, h);
+    variable_list out(5);
+    if (ctx->needs_input_grad(0)) out[0] = dg.view(gate.sizes());
+    if (ctx->needs_input_grad(1)) out[1] = du.view(value.sizes());
+    if (h.defined()) out[2] = dy.t().mm(h);
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)) out[3] = dy.sum(0);
+    return out;
+  }
+#endif
 };
 
 #ifdef FOX_WITH_CUDA
@@ -340,21 +531,24 @@ struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLin
     const int64_t F = gv.size(1) / 2;
     const auto gate = gv.narrow(1, 0, F), value = gv.narrow(1, F, F);
     const bool silu = ctx->saved_data["silu"].toBool();
-    // As GatedLinearFunction: the product again, then mm's own backward and the product's.
+    // As GatedLinearFunction: the product again, then mm's own backward and the product's. With
+    // both gradients the product comes from the gated backward kernel (one pass over the halves).
     const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
     variable_list out(4);
-    if (ctx->needs_input_grad(1)) {
-      auto h = torch::empty({gv.size(0), F}, gv.options());
-      cuda::gated_forward(gate, value, silu, h);
-      out[1] = dy.t().mm(h);
-    }
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
+    torch::Tensor h;
     if (ctx->needs_input_grad(0)) {
+      // The product replaces the product's gradient in place (no more memory than before).
+      auto dh = aligned(dy.mm(weight));
       auto dgv = torch::empty(gv.sizes(), gv.options());
-      cuda::gated_backward(aligned(dy.mm(weight)), gate, value, silu, dgv.narrow(1, 0, F),
-                           dgv.narrow(1, F, F));
+      if (ctx->needs_input_grad(1)) h = dh;
+      cuda::gated_backward(dh, gate, value, silu, dgv.narrow(1, 0, F), dgv.narrow(1, F, F), h);
       out[0] = dgv.view(saved[0].sizes());
+    } else if (ctx->needs_input_grad(1)) {
+      h = torch::empty({gv.size(0), F}, gv.options());
+      cuda::gated_forward(gate, value, silu, h);
     }
+    if (h.defined()) out[1] = dy.t().mm(h);
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
     return out;
   }
 };
@@ -639,6 +833,96 @@ torch::Tensor shift_mix_update(const torch::Tensor& cur, const torch::Tensor& sh
 #endif
   auto out = shift_mix(cur, shift_logits, state);
   state.copy_(cur.select(1, cur.size(1) - 1));
+  return out;
+}
+
+std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
+                                            const AttentionInputLayout& layout,
+                                            const torch::Tensor& q_norm_weight,
+                                            const torch::Tensor& k_norm_weight) {
+  const auto& l = layout;
+  TORCH_CHECK(y.dim() == 3, "attention_inputs: y must be (batch, seqlen, width), got ", y.sizes());
+  const int64_t W = y.size(2);
+  auto check_part = [&](const char* name, int64_t first, int64_t width) {
+    TORCH_CHECK(first >= 0 && width > 0 && first + width <= W, "attention_inputs: part ", name,
+                " (first column ", first, ", width ", width, ") must lie in y's ", W, " columns");
+  };
+  check_part("q", l.q, l.q_width);
+  check_part("k", l.k, l.kv_width);
+  check_part("v", l.v, l.kv_width);
+  if (l.k_shift >= 0) check_part("k_shift", l.k_shift, l.shift_heads);
+  if (l.v_shift >= 0) check_part("v_shift", l.v_shift, l.shift_heads);
+  for (const auto& [first, width] : l.passed) check_part("passed", first, width);
+  TORCH_CHECK((l.k_shift < 0 && l.v_shift < 0) || l.kv_width % l.shift_heads == 0,
+              "attention_inputs: shift_heads (", l.shift_heads, ") must divide kv_width (",
+              l.kv_width, ")");
+  TORCH_CHECK(l.q_group >= 0 && l.k_group >= 0 && (!l.q_group || l.q_width % l.q_group == 0) &&
+                  (!l.k_group || l.kv_width % l.k_group == 0),
+              "attention_inputs: q_group (", l.q_group, ") / k_group (", l.k_group,
+              ") must divide q_width (", l.q_width, ") / kv_width (", l.kv_width, ")");
+  // The parts in column order, not overlapping: the fused backward writes each part's columns once.
+  std::vector<std::pair<int64_t, int64_t>> ranges = {{l.q, l.q_width}, {l.k, l.kv_width},
+                                                     {l.v, l.kv_width}};
+  if (l.k_shift >= 0) ranges.emplace_back(l.k_shift, l.shift_heads);
+  if (l.v_shift >= 0) ranges.emplace_back(l.v_shift, l.shift_heads);
+  ranges.insert(ranges.end(), l.passed.begin(), l.passed.end());
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    TORCH_CHECK(ranges[i - 1].first + ranges[i - 1].second <= ranges[i].first,
+                "attention_inputs: parts must not overlap: columns ", ranges[i - 1].first, "..",
+                ranges[i - 1].first + ranges[i - 1].second - 1, " and ", ranges[i].first, "..",
+                ranges[i].first + ranges[i].second - 1);
+  }
+  auto part = [&](int64_t first, int64_t width) { return y.narrow(2, first, width); };
+#ifdef FOX_WITH_CUDA
+  const char* setting = std::getenv("FOX_FUSED_ATTENTION_INPUTS");
+  const bool wanted = setting == nullptr || std::string(setting) != "0";
+  // The kernels' conditions: y's dtype is the norms' output dtype (no autocast cast of a float32
+  // y), and every part's rows fit the row kernels (the gradient's columns then do too: same
+  // width, offsets and row stride).
+  auto fits = [&] {
+    if (!(fused(y) && y.is_contiguous() && y.numel() > 0) ||
+        (y.scalar_type() == torch::kFloat32 && at::autocast::is_autocast_enabled(y.device().type())))
+      return false;
+    auto rows = [&](int64_t first, int64_t width) { return rows_view(part(first, width)); };
+    auto weight_fits = [&](const torch::Tensor& w) {
+      return !w.defined() || (w.device() == y.device() && w.dim() == 1);
+    };
+    return weight_fits(q_norm_weight) && weight_fits(k_norm_weight) &&
+           (!l.q_group || rows_fit(l.q_width, l.q_group, {rows(l.q, l.q_width)})) &&
+           (l.k_shift < 0 || rows_fit(l.kv_width, l.kv_width / l.shift_heads, {rows(l.k, l.kv_width)})) &&
+           (l.v_shift < 0 || rows_fit(l.kv_width, l.kv_width / l.shift_heads, {rows(l.v, l.kv_width)})) &&
+           (!l.k_group || rows_fit(l.kv_width, l.k_group, {rows(l.k, l.kv_width)}));
+  };
+  if (wanted && !without_autograd({y, q_norm_weight, k_norm_weight}) && fits()) {
+    auto optional = [](const torch::Tensor& t) {
+      return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
+    };
+    return AttentionInputsFunction::apply(y, optional(l.q_group ? q_norm_weight : torch::Tensor()),
+                                          optional(l.k_group ? k_norm_weight : torch::Tensor()), l);
+  }
+#endif
+  // The composition on the pieces of one split_with_sizes, whose backward is one concatenation
+  // (each narrow view would add a gradient of y's whole width).
+  std::vector<int64_t> widths;
+  std::map<int64_t, size_t> piece_of;  // first column -> index of its piece
+  int64_t at = 0;
+  for (const auto& [first, width] : ranges) {
+    if (first > at) widths.push_back(first - at);
+    piece_of[first] = widths.size();
+    widths.push_back(width);
+    at = first + width;
+  }
+  if (at < W) widths.push_back(W - at);
+  const auto pieces = y.split_with_sizes(widths, 2);
+  auto piece = [&](int64_t first) { return pieces[piece_of.at(first)]; };
+  auto q = piece(l.q), k = piece(l.k), v = piece(l.v);
+  if (l.q_group) q = rms_norm(q, q_norm_weight, l.q_group, l.norm_eps);
+  if (l.k_shift >= 0) k = shift_mix(k, piece(l.k_shift));
+  if (l.k_group) k = rms_norm(k, k_norm_weight, l.k_group, l.norm_eps);
+  if (l.v_shift >= 0) v = shift_mix(v, piece(l.v_shift));
+  std::vector<torch::Tensor> out = {q, k, v};
+  for (const auto& [first, width] : l.passed) out.push_back(piece(first));
   return out;
 }
 

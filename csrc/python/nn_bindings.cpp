@@ -416,6 +416,25 @@ void init_nn_bindings(py::module_& parent) {
       },
       py::arg("gate_value"), py::arg("act"), py::arg("weight"), py::arg("bias") = std::nullopt,
       py::arg("residual") = std::nullopt);
+  f.def(
+      "attention_inputs",
+      [](const torch::Tensor& y, int64_t q, int64_t k, int64_t v, int64_t q_width,
+         int64_t kv_width, int64_t k_shift, int64_t v_shift, int64_t shift_heads, int64_t q_group,
+         int64_t k_group, double norm_eps, std::vector<std::pair<int64_t, int64_t>> passed,
+         const std::optional<torch::Tensor>& q_norm_weight,
+         const std::optional<torch::Tensor>& k_norm_weight) {
+        functional::AttentionInputLayout l;
+        l.q = q, l.k = k, l.v = v, l.q_width = q_width, l.kv_width = kv_width;
+        l.k_shift = k_shift, l.v_shift = v_shift, l.shift_heads = shift_heads;
+        l.q_group = q_group, l.k_group = k_group, l.norm_eps = norm_eps, l.passed = std::move(passed);
+        return functional::attention_inputs(y, l, q_norm_weight.value_or(torch::Tensor()),
+                                            k_norm_weight.value_or(torch::Tensor()));
+      },
+      py::arg("y"), py::kw_only(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_width"),
+      py::arg("kv_width"), py::arg("k_shift") = -1, py::arg("v_shift") = -1,
+      py::arg("shift_heads") = 0, py::arg("q_group") = 0, py::arg("k_group") = 0,
+      py::arg("norm_eps") = 1e-6, py::arg("passed") = std::vector<std::pair<int64_t, int64_t>>(),
+      py::arg("q_norm_weight") = std::nullopt, py::arg("k_norm_weight") = std::nullopt);
   f.def("linear_cross_entropy", &functional::linear_cross_entropy, py::arg("hidden"),
         py::arg("weight"), py::arg("labels"), py::arg("ignore_index") = -100,
         py::arg("chunk_rows") = 0, py::arg("reduction") = "none");

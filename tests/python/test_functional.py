@@ -420,6 +420,54 @@ def test_reduced_loss_bitwise_the_per_token_loss(V):
         assert torch.equal(a, b)
 
 
+# Layouts of an attention layer's input projection y (..., 320): q, k, v of 4 heads of 16, then
+# what the layer passes on (the output gate, the forget gate) and the KV-shift logits, and 52
+# columns of padding that no part covers.
+ATTENTION_INPUT_LAYOUTS = {
+    "pro": dict(q=0, k=64, v=128, q_width=64, kv_width=64, k_shift=256, v_shift=260, shift_heads=4,
+                q_group=16, k_group=16, passed=[(192, 64), (264, 4)]),
+    "llama": dict(q=0, k=64, v=128, q_width=64, kv_width=64, passed=[(192, 4)]),
+    "shift_only": dict(q=0, k=64, v=128, q_width=64, kv_width=64, k_shift=256, v_shift=260,
+                       shift_heads=4, passed=[(192, 64), (264, 4)]),
+    "norm_only": dict(q=0, k=64, v=128, q_width=64, kv_width=64, q_group=16, k_group=16,
+                      norm_eps=1e-5, passed=[(264, 4)]),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("layout", list(ATTENTION_INPUT_LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_inputs_is_the_composition(layout, dtype, monkeypatch):
+    """attention_inputs on CUDA under autograd is one node whose backward writes every part's
+    gradient into one tensor: outputs and the gradients of y and of both norm weights bitwise
+    those of the composition (FOX_FUSED_ATTENTION_INPUTS=0: shift_mix and rms_norm on views of
+    y), the padding's columns zero."""
+    kw = ATTENTION_INPUT_LAYOUTS[layout]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    y = torch.randn(2, 37, 320, device="cuda", generator=g).to(dtype)
+    weights = [1 + 0.1 * torch.randn(64, device="cuda", generator=g) for _ in range(2)]
+
+    def run(setting):
+        monkeypatch.setenv("FOX_FUSED_ATTENTION_INPUTS", setting)
+        xs = [t.detach().clone().requires_grad_() for t in [y] + weights]
+        outs = fused.attention_inputs(xs[0], **kw, q_norm_weight=xs[1], k_norm_weight=xs[2])
+        gen = torch.Generator(device="cuda").manual_seed(6)
+        grads = [torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype) for o in outs]
+        torch.autograd.backward(outs, grads)
+        return outs, [x.grad for x in xs]
+
+    outs, grads = run("1")
+    assert "AttentionInputs" in outs[0].grad_fn.name()  # the fused node, not the composition
+    outs_c, grads_c = run("0")
+    assert "AttentionInputs" not in outs_c[0].grad_fn.name()
+    for a, b in zip(outs, outs_c):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(grads, grads_c):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.all(grads[0][..., 268:] == 0)
+
+
 def test_bad_arguments_name_the_argument():
     gu, w = torch.randn(4, 16, requires_grad=True), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="act"):
@@ -446,3 +494,13 @@ def test_bad_arguments_name_the_argument():
         fused.gated(x, x, "relu")
     with pytest.raises(RuntimeError, match="labels"):
         fused.cross_entropy(x, torch.zeros(2, 4, dtype=torch.long))
+    y = torch.randn(2, 3, 320)
+    with pytest.raises(RuntimeError, match="part passed"):
+        fused.attention_inputs(y, q=0, k=64, v=128, q_width=64, kv_width=64, passed=[(300, 64)])
+    with pytest.raises(RuntimeError, match="shift_heads"):
+        fused.attention_inputs(y, q=0, k=64, v=128, q_width=64, kv_width=64, k_shift=256,
+                               shift_heads=5)
+    with pytest.raises(RuntimeError, match="q_group"):
+        fused.attention_inputs(y, q=0, k=64, v=128, q_width=64, kv_width=64, q_group=24)
+    with pytest.raises(RuntimeError, match="overlap"):
+        fused.attention_inputs(y, q=0, k=64, v=128, q_width=64, kv_width=64, passed=[(100, 8)])

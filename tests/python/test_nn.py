@@ -297,24 +297,32 @@ def test_setattr_swaps_the_cpp_parameter(arch):
 SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
 
 
-def savings_step(model, ids, labels, env, monkeypatch, autocast=None):
+def savings_step(model, ids, labels, env, monkeypatch, autocast=None, storages=False):
     """Loss, every parameter's gradient and the bytes saved for backward of one training step
-    with the savings' knobs set as in env (unset ones at their default: on)."""
+    with the savings' knobs set as in env (unset ones at their default: on). The bytes are those
+    of the saved tensors, or with `storages` those of the distinct storages they keep alive."""
     for name in SAVINGS_OFF:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     model.zero_grad()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+    saved, kept = [], {}
+
+    def pack(t):
+        if storages:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        else:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
             loss = model(ids, labels=labels)
     # Per-token weights, so that each row's gradient differs.
     weights = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view(loss.shape)
     (loss * weights).sum().backward()
     return (loss.detach().double(), {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            sum(saved))
+            sum(kept.values()) if storages else sum(saved))
 
 
 def savings_model(tied, device, dtype):
@@ -374,6 +382,30 @@ def test_deferred_residual_is_block_by_block(device, dtype, monkeypatch):
     for name in grads:
         assert torch.equal(grads[name], grads_b[name]), name
     assert kept <= kept_b, (kept, kept_b)
+
+
+@pytest.mark.parametrize("arch", ["fox_pro", "fox_llama"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "autocast_bf16"])
+def test_fused_attention_inputs_same_loss_and_gradients(device, dtype, arch, monkeypatch):
+    """The attention layer's input side as one autograd node (functional.attention_inputs, whose
+    backward writes the input projection's gradient as one tensor) against shift_mix and
+    rms_norm on split views (FOX_FUSED_ATTENTION_INPUTS=0): bitwise the same loss and gradients,
+    and no more memory kept for the backward (the bytes of the storages the saved tensors keep:
+    the node saves the projection's output whole where the composition saves views of it)."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 runs on the CPU backend")
+    autocast = torch.bfloat16 if dtype == "autocast_bf16" else None
+    model = randomized(fnn.ForgettingTransformerForCausalLM(tiny(arch)))
+    model = model.to(device, torch.float32 if autocast else dtype)
+    ids, labels = savings_batch(device)
+    loss_c, grads_c, kept_c = savings_step(model, ids, labels, {"FOX_FUSED_ATTENTION_INPUTS": "0"},
+                                           monkeypatch, autocast, storages=True)
+    monkeypatch.delenv("FOX_FUSED_ATTENTION_INPUTS")
+    loss, grads, kept = savings_step(model, ids, labels, {}, monkeypatch, autocast, storages=True)
+    assert torch.equal(loss, loss_c)
+    for name in grads:
+        assert torch.equal(grads[name], grads_c[name]), name
+    assert kept <= kept_c, (kept, kept_c)
 
 
 def assert_step_matches(dtype, autocast, got, base, reference):

@@ -157,7 +157,7 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
                                          const in_t* __restrict__ x, int64_t x_rs,
                                          const float* __restrict__ w,
                                          const float* __restrict__ rstd, in_t* __restrict__ dx,
-                                         int64_t rows, int C, int G,
+                                         int64_t dx_rs, int64_t rows, int C, int G,
                                          const in_t* __restrict__ dsum = nullptr,
                                          int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
                                          float* __restrict__ dw_partial = nullptr) {
@@ -191,7 +191,7 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
 #pragma unroll
         for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
       }
-      store(dx + row * C + c, g);
+      store(dx + row * dx_rs + c, g);
       if (dx_cast) store(dx_cast + row * C + c, g);
     }
     if (!dw_partial) return;  // one block row per block
@@ -248,7 +248,8 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
                                           int64_t cur_bs, int64_t cur_ts,
                                           const T* __restrict__ logits, int64_t lg_bs,
                                           int64_t lg_ts, const T* __restrict__ first,
-                                          T* __restrict__ dcur, T* __restrict__ dlogits,
+                                          T* __restrict__ dcur, int64_t dc_bs, int64_t dc_ts,
+                                          T* __restrict__ dlogits, int64_t dl_bs, int64_t dl_ts,
                                           T* __restrict__ dfirst, int64_t B, int64_t T_, int C,
                                           int D) {
   const int64_t row = block_row();
@@ -277,7 +278,7 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
   for (int i = 0; i < VEC; ++i) dot += (prev[i] - now[i]) * g[i];
   dot = group_sum(dot, D / VEC);
   if (!active) return;
-  if (c % D == 0) dlogits[row * (C / D) + h] = static_cast<T>(dot * a * (1.f - a));
+  if (c % D == 0) dlogits[b * dl_bs + t * dl_ts + h] = static_cast<T>(dot * a * (1.f - a));
   if (t == 0 && dfirst) {
     float df[VEC];
 #pragma unroll
@@ -286,7 +287,7 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
   }
 #pragma unroll
   for (int i = 0; i < VEC; ++i) g[i] = (1.f - a) * g[i] + a_next * g_next[i];
-  store(dcur + row * C + c, g);
+  store(dcur + b * dc_bs + t * dc_ts + c, g);
 }
 
 // ---- gates: y = act(g) * u ------------------------------------------------------------------------
@@ -311,15 +312,17 @@ __global__ void gated_forward_kernel(const T* __restrict__ g, int64_t g_rs,
   store(y + row * C + c, uv);
 }
 
+// y may be dy itself: each thread reads its elements of dy before it writes theirs of y (neither
+// is __restrict__).
 template <typename T, int VEC>
-__global__ void gated_backward_kernel(const T* __restrict__ dy, const T* __restrict__ g,
-                                      int64_t g_rs, const T* __restrict__ u, int64_t u_rs,
+__global__ void gated_backward_kernel(const T* dy, const T* __restrict__ g, int64_t g_rs,
+                                      const T* __restrict__ u, int64_t u_rs,
                                       T* __restrict__ dg, int64_t dg_rs, T* __restrict__ du,
-                                      int64_t du_rs, int64_t rows, int C, bool silu) {
+                                      int64_t du_rs, int64_t rows, int C, bool silu, T* y) {
   const int64_t row = block_row();
   if (row >= rows) return;
   const int c = threadIdx.x * VEC;
-  float gv[VEC], uv[VEC], d[VEC];
+  float gv[VEC], uv[VEC], d[VEC], prod[VEC];
   load(g + row * g_rs + c, gv);
   load(u + row * u_rs + c, uv);
   load(dy + row * C + c, d);
@@ -328,11 +331,27 @@ __global__ void gated_backward_kernel(const T* __restrict__ dy, const T* __restr
     const float s = sigmoidf(gv[i]);
     const float act = silu ? gv[i] * s : s;
     const float dact = silu ? s * (1.f + gv[i] * (1.f - s)) : s * (1.f - s);
+    prod[i] = uv[i] * act;  // gated_forward_kernel's product, bit for bit
     gv[i] = d[i] * uv[i] * dact;
     uv[i] = d[i] * act;
   }
   store(dg + row * dg_rs + c, gv);
   store(du + row * du_rs + c, uv);
+  if (y) store(y + row * C + c, prod);
+}
+
+// ---- rows copied between strided views --------------------------------------------------------------
+// ATen's copy into a view with a row stride runs its unvectorized kernel (~half the bandwidth).
+
+template <typename T, int VEC>
+__global__ void copy_rows_kernel(const T* __restrict__ src, int64_t src_rs, T* __restrict__ dst,
+                                 int64_t dst_rs, int64_t rows) {
+  const int64_t row = block_row();
+  if (row >= rows) return;
+  const int c = threadIdx.x * VEC;
+  float v[VEC];
+  load(src + row * src_rs + c, v);  // exact: every value of T is a float
+  store(dst + row * dst_rs + c, v);
 }
 
 // ---- cross entropy ----------------------------------------------------------------------------------
@@ -689,7 +708,8 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
         rms_norm_backward_kernel<float, scalar_t, VEC, scalar_t>
             <<<L.grid, L.block, L.smem, stream>>>(
                 dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<float>(), x.stride(0),
-                optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(), rows, C,
+                optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
+                dx.stride(0), rows, C,
                 int(group), optional_ptr<float>(dsum), ds_rs, dx_cast.data_ptr<scalar_t>(),
                 dw_partial);
       });
@@ -701,7 +721,8 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
         FOX_VEC_SWITCH(vec, [&] {
           rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
               dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
-              optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(), rows, C,
+              optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(),
+              dx.stride(0), rows, C,
               int(group), optional_ptr<in_t>(dsum), ds_rs, optional_mut<in_t>(dx_cast),
               dw_partial);
         });
@@ -750,8 +771,9 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
       shift_mix_backward_kernel<scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
           dout.data_ptr<scalar_t>(), cur.data_ptr<scalar_t>(), cur.stride(0), cur.stride(1),
           logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
-          optional_ptr<scalar_t>(first), dcur.data_ptr<scalar_t>(),
-          dlogits.data_ptr<scalar_t>(), optional_mut<scalar_t>(dfirst), B, T, C, D);
+          optional_ptr<scalar_t>(first), dcur.data_ptr<scalar_t>(), dcur.stride(0),
+          dcur.stride(1), dlogits.data_ptr<scalar_t>(), dlogits.stride(0), dlogits.stride(1),
+          optional_mut<scalar_t>(dfirst), B, T, C, D);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -776,12 +798,12 @@ void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at
 }
 
 void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, bool silu,
-                    const at::Tensor& dg, const at::Tensor& du) {
+                    const at::Tensor& dg, const at::Tensor& du, const at::Tensor& y) {
   c10::cuda::CUDAGuard guard(g.device());
   const int64_t rows = g.size(0);
   const int C = int(g.size(1));
   if (rows == 0) return;
-  const int vec = checked_width(C, C, {dy, g, u, dg, du});
+  const int vec = checked_width(C, C, {dy, g, u, dg, du, y});
   const auto L = row_launch(rows, C, vec);
   auto stream = at::cuda::getCurrentCUDAStream();
   FOX_FLOAT_TYPES(g.scalar_type(), "gated_backward", [&] {
@@ -789,7 +811,26 @@ void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor&
       gated_backward_kernel<scalar_t, VEC><<<L.grid, L.block, 0, stream>>>(
           dy.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(),
           u.stride(0), dg.data_ptr<scalar_t>(), dg.stride(0), du.data_ptr<scalar_t>(),
-          du.stride(0), rows, C, silu);
+          du.stride(0), rows, C, silu, optional_mut<scalar_t>(y));
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void copy_rows(const at::Tensor& src, const at::Tensor& dst) {
+  c10::cuda::CUDAGuard guard(src.device());
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.sizes() == dst.sizes(),
+              "copy_rows: src and dst must have one dtype and shape");
+  const int64_t rows = src.size(0);
+  const int C = int(src.size(1));
+  if (rows == 0) return;
+  const int vec = checked_width(C, C, {src, dst});
+  const auto L = row_launch(rows, C, vec);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(src.scalar_type(), "copy_rows", [&] {
+    FOX_VEC_SWITCH(vec, [&] {
+      copy_rows_kernel<scalar_t, VEC><<<L.grid, L.block, 0, stream>>>(
+          src.data_ptr<scalar_t>(), src.stride(0), dst.data_ptr<scalar_t>(), dst.stride(0), rows);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

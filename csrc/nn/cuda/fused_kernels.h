@@ -1,6 +1,8 @@
 // Fused CUDA kernels of the model's elementwise work (normalizations, KV-shift, gates, loss).
 // Launchers take 2-D row views: (rows, C) with a row stride and a contiguous last dimension, so
-// slices of one concatenated projection are read in place. Outputs are contiguous. Called only by
+// slices of one concatenated projection are read in place. Outputs are contiguous, except where a
+// launcher says it writes a view with row strides (the input gradients of the norm, KV-shift and
+// gates, written into the columns of one projection's gradient). Called only by
 // csrc/nn/functional.cpp, which owns the autograd and the fallbacks.
 #pragma once
 
@@ -24,7 +26,7 @@ int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta = {},
                       const at::Tensor& sum = {});
-// dx (rows, C) and, when defined, dweight (C,) float32. With dsum (rows, C) of x's dtype, dx is
+// dx (rows, C), any row stride, and, when defined, dweight (C,) float32. With dsum (rows, C) of x's dtype, dx is
 // the norm's input gradient plus dsum (the residual stream's gradient that skips the norm); with
 // dx_cast (x's dtype, or dy's when x is float32) dx is also written there.
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
@@ -38,6 +40,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
 // state); it may be first itself only when T = 1.
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
                        const at::Tensor& out, const at::Tensor& last = {});
+// dout contiguous; dcur (B, T, C) and dlogits (B, T, H) any strides with a contiguous last dimension.
 void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at::Tensor& logits,
                         const at::Tensor& first, const at::Tensor& dcur,
                         const at::Tensor& dlogits, const at::Tensor& dfirst);
@@ -45,8 +48,15 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
 // y = act(g) * u with act = silu (swish) or sigmoid; g and u (rows, C). g, u, dg and du may have
 // any row stride (the two halves of one projection's rows); y and dy are contiguous.
 void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at::Tensor& y);
+// dg and du from dy; when defined, y also receives the product, bitwise gated_forward's (a
+// backward that needs the product again for its weight's gradient reads g and u once). y may be
+// dy itself: the product then takes the incoming gradient's place.
 void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, bool silu,
-                    const at::Tensor& dg, const at::Tensor& du);
+                    const at::Tensor& dg, const at::Tensor& du, const at::Tensor& y = {});
+
+// dst = src for (rows, C) views of one dtype with any row strides (a part's gradient into its
+// columns of a wider tensor).
+void copy_rows(const at::Tensor& src, const at::Tensor& dst);
 
 // Per-row cross entropy of logits (rows, V) against labels (rows,) int64; rows whose label is
 // ignore_index give 0. loss and lse float32 (rows,).

@@ -129,10 +129,14 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   /// log_forget_gate from fgate_proj(x) computed elsewhere (undefined for the other gate types).
   torch::Tensor log_forget_gate_from(const torch::Tensor& x, const torch::Tensor& fgate_logits);
   /// Every projection of x, computed in one GEMM (views of its output; absent ones undefined).
+  /// With `transform`, q, k and v come KV-shifted and normed as the layer uses them where the
+  /// layer allows (functional::attention_inputs: on CUDA under autograd one node, whose backward
+  /// makes the projection's gradient as one tensor); `transformed` says whether they do.
   struct InputProjections {
     torch::Tensor q, k, v, k_shift_logits, v_shift_logits, fgate_logits, ogate_logits;
+    bool transformed = false;
   };
-  InputProjections project_input(const torch::Tensor& x);
+  InputProjections project_input(const torch::Tensor& x, bool transform = false);
 
   /// Run context-parallel over `shard` (null: the whole sequence is local again).
   void set_sequence_shard(std::shared_ptr<SequenceShard> shard) { shard_.value = std::move(shard); }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -39,6 +40,30 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
 /// kernel; otherwise shift_mix and a copy.
 torch::Tensor shift_mix_update(const torch::Tensor& cur, const torch::Tensor& shift_logits,
                                torch::Tensor& state);
+
+/// Where the parts of an attention layer's one input projection lie in its last dimension (first
+/// column and width) and what is done to its q, k and v.
+struct AttentionInputLayout {
+  int64_t q = 0, k = 0, v = 0;         // first columns of q (q_width wide), k and v (kv_width)
+  int64_t q_width = 0, kv_width = 0;
+  int64_t k_shift = -1, v_shift = -1;  // first columns of k's / v's KV-shift logits (-1: none)
+  int64_t shift_heads = 0;             // their width
+  int64_t q_group = 0, k_group = 0;    // group size of q's / k's RMSNorm (0: none)
+  double norm_eps = 1e-6;
+  std::vector<std::pair<int64_t, int64_t>> passed;  // other parts: (first column, width)
+};
+
+/// From an attention layer's input projection y (B, T, W): {q, k, v, passed parts...} with
+/// q = rms_norm(y[q]), k = rms_norm(shift_mix(y[k], y[k_shift])), v = shift_mix(y[v], y[v_shift])
+/// (each step where the layout has it; the norms with q_norm_weight / k_norm_weight) and the
+/// passed parts as views of y. Bitwise the composition. On CUDA under autograd one node whose
+/// backward writes every part's gradient into its columns of one (B, T, W) tensor (zeros in
+/// columns of no part): the projection's backward takes it as it is, where the gradients of split
+/// parts would be concatenated. FOX_FUSED_ATTENTION_INPUTS=0 (read at each call) composes.
+std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
+                                            const AttentionInputLayout& layout,
+                                            const torch::Tensor& q_norm_weight = {},
+                                            const torch::Tensor& k_norm_weight = {});
 
 /// x @ weight^T (+ bias) (+ residual): F.linear, with an optional residual added in the same
 /// pass. On CUDA without autograd, for up to 8 rows of fp16/bf16 (weight of x's dtype), one
