@@ -430,20 +430,87 @@ torch::Tensor plain_linear(const torch::Tensor& x, const torch::Tensor& weight,
   return torch::nn::functional::linear(x, weight, bias);
 }
 
+// Under autocast on CUDA a float32 weight that takes a gradient is multiplied in the autocast
+// dtype; autocast's composition then makes its gradient in that dtype and casts it up (a rounding,
+// and a pass over the weight's bytes). The functions below instead take such a weight as it is,
+// cast it in their forward, and make its gradient in float32 with the GEMM itself. Returns the
+// dtype to multiply in, -1 where autocast's own cast stands (other devices and dtypes, no
+// gradient).
+int64_t float32_gradient_dtype(const torch::Tensor& weight) {
+  if (!weight.defined() || !weight.is_cuda() || weight.scalar_type() != torch::kFloat32 ||
+      !weight.requires_grad() || !torch::GradMode::is_enabled() ||
+      !at::autocast::is_autocast_enabled(torch::kCUDA))
+    return -1;
+  const auto dtype = at::autocast::get_autocast_dtype(torch::kCUDA);
+  return dtype == torch::kFloat32 ? -1 : int64_t(dtype);
+}
+
+// A weight or bias as those functions take it: as it is where they cast it (compute >= 0),
+// autocast's cast otherwise; and inside their forward, its copy in the compute dtype.
+torch::Tensor weight_arg(const torch::Tensor& t, int64_t compute) {
+  return compute >= 0 ? t : autocast_arg(t);
+}
+torch::Tensor compute_copy(const torch::Tensor& t, int64_t compute) {
+  return compute >= 0 && t.defined() ? t.to(torch::ScalarType(compute)) : t;
+}
+
+// d weight = dy^T x (dy, x: rows first): in float32 from the GEMM for a weight cast in the forward.
+torch::Tensor weight_gradient(const torch::Tensor& dy, const torch::Tensor& x, bool float32) {
+  return float32 ? at::mm(dy.t(), x, torch::kFloat32) : dy.t().mm(x);
+}
+
+#ifdef FOX_WITH_CUDA
+// F.linear for a float32 weight under autocast (float32_gradient_dtype): the weight's gradient in
+// float32 from the GEMM; x's gradient and the bias's as autocast's composition makes them.
+struct Float32GradientLinearFunction
+    : public torch::autograd::Function<Float32GradientLinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const std::optional<torch::Tensor>& bias,
+                               int64_t compute) {
+    const auto w = compute_copy(weight, compute);
+    const auto b = compute_copy(bias.value_or(torch::Tensor()), compute);
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["bias"] = b.defined();
+    if (b.defined() && x.dim() > 2) {  // as linear(): the rows folded into one addmm
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      auto sizes = x.sizes().vec();
+      sizes.back() = w.size(0);
+      return torch::addmm(b, x.reshape({-1, x.size(-1)}), w.t()).view(sizes);
+    }
+    return plain_linear(x, w, b);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
+    variable_list out(4);
+    if (ctx->needs_input_grad(0)) out[0] = dy.mm(w).view(x.sizes());
+    if (ctx->needs_input_grad(1)) out[1] = weight_gradient(dy, x.reshape({-1, x.size(-1)}), true);
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
+    return out;
+  }
+};
+#endif
+
 // linear(gated(gate, value), weight, bias) keeping gate, value and weight, not the product: the
 // backward computes the product again and takes the linear's gradients with the products
 // autograd's own mm backward uses (bitwise the composition's), then the product's own backward.
 struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunction> {
-  // weight and bias arrive cast as autocast casts them; the product is cast here the same way.
+  // weight and bias arrive as weight_arg gives them (cast here when compute >= 0); the product is
+  // cast as autocast casts it.
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
-                               const torch::Tensor& value, const torch::Tensor& weight,
-                               const std::optional<torch::Tensor>& bias, const std::string& act) {
+                               const torch::Tensor& value, const torch::Tensor& weight_in,
+                               const std::optional<torch::Tensor>& bias, const std::string& act,
+                               int64_t compute) {
     auto h = autocast_arg(functional::gated(gate, value, act));
+    const auto weight = compute_copy(weight_in, compute);
     ctx->save_for_backward({gate, value, weight});
     ctx->saved_data["act"] = act;
     ctx->saved_data["dtype"] = int64_t(h.scalar_type());
     ctx->saved_data["bias"] = bias.has_value();
-    return plain_linear(h, weight, bias.value_or(torch::Tensor()));
+    ctx->saved_data["float32_weight_grad"] = compute >= 0;
+    return plain_linear(h, weight, compute_copy(bias.value_or(torch::Tensor()), compute));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -463,8 +530,10 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
     // F.linear folds the leading dimensions into the rows of one mm(h, weight^T); its backward:
     // dh = dy.mm(weight), d weight = dy^T.mm(h), d bias = dy.sum(0).
     const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
-    variable_list out(5);
-    if (ctx->needs_input_grad(2)) out[2] = dy.t().mm(h.detach().reshape({-1, h.size(-1)}));
+    variable_list out(6);
+    if (ctx->needs_input_grad(2))
+      out[2] = weight_gradient(dy, h.detach().reshape({-1, h.size(-1)}),
+                               ctx->saved_data["float32_weight_grad"].toBool());
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)) out[3] = dy.sum(0);
     if (!inputs.empty()) {
       auto dh = dy.mm(weight).view(h.sizes());
@@ -498,10 +567,10 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
     auto dh = aligned(dy.mm(weight));
     const auto h = ctx->needs_input_grad(2) ? dh : torch::Tensor();  // in place of dh
     cuda::gated_backward(dh, g, u, is_silu(ctx->saved_data["act"].toStringRef()), dg, du, h);
-    variable_list out(5);
+    variable_list out(6);
     if (ctx->needs_input_grad(0)) out[0] = dg.view(gate.sizes());
     if (ctx->needs_input_grad(1)) out[1] = du.view(value.sizes());
-    if (h.defined()) out[2] = dy.t().mm(h);
+    if (h.defined()) out[2] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)) out[3] = dy.sum(0);
     return out;
   }
@@ -515,14 +584,17 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
 // that the fused kernels take the halves and that the product needs no cast.
 struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate_value,
-                               const torch::Tensor& weight, const std::optional<torch::Tensor>& bias,
-                               const std::string& act) {
+                               const torch::Tensor& weight_in,
+                               const std::optional<torch::Tensor>& bias, const std::string& act,
+                               int64_t compute) {
     const int64_t F = gate_value.size(-1) / 2;
     auto h = functional::gated(gate_value.narrow(-1, 0, F), gate_value.narrow(-1, F, F), act);
+    const auto weight = compute_copy(weight_in, compute);
     ctx->save_for_backward({gate_value, weight});
     ctx->saved_data["silu"] = is_silu(act);
     ctx->saved_data["bias"] = bias.has_value();
-    return plain_linear(h, weight, bias.value_or(torch::Tensor()));
+    ctx->saved_data["float32_weight_grad"] = compute >= 0;
+    return plain_linear(h, weight, compute_copy(bias.value_or(torch::Tensor()), compute));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -534,7 +606,7 @@ struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLin
     // As GatedLinearFunction: the product again, then mm's own backward and the product's. With
     // both gradients the product comes from the gated backward kernel (one pass over the halves).
     const auto dy = grads[0].reshape({-1, grads[0].size(-1)});
-    variable_list out(4);
+    variable_list out(5);
     torch::Tensor h;
     if (ctx->needs_input_grad(0)) {
       // The product replaces the product's gradient in place (no more memory than before).
@@ -547,7 +619,7 @@ struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLin
       h = torch::empty({gv.size(0), F}, gv.options());
       cuda::gated_forward(gate, value, silu, h);
     }
-    if (h.defined()) out[1] = dy.t().mm(h);
+    if (h.defined()) out[1] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
     return out;
   }
@@ -595,9 +667,10 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   }
 
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
-                               const torch::Tensor& weight, const torch::Tensor& labels,
-                               int64_t ignore_index, int64_t chunk_rows) {
+                               const torch::Tensor& weight_in, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_rows, int64_t compute) {
     const int64_t N = hidden.size(0);
+    const auto weight = compute_copy(weight_in, compute);
     torch::Tensor loss, lse;
     if (direct(hidden)) {
 #ifdef FOX_WITH_CUDA
@@ -624,6 +697,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk_rows"] = chunk_rows;
     ctx->saved_data["loss_dtype"] = int64_t(loss.scalar_type());
+    ctx->saved_data["weight_dtype"] = int64_t(weight_in.scalar_type());
     return loss;
   }
 
@@ -658,8 +732,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       }
       add_chunk_gradients(dlogits, h, weight, start, dhidden, dweight, lse.defined());
     }
-    if (dweight.defined()) dweight = dweight.to(weight.scalar_type());
-    return {dhidden, dweight, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    if (dweight.defined())
+      dweight = dweight.to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
+    return {dhidden, dweight, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -672,15 +747,16 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 struct SummedLinearCrossEntropyFunction
     : public torch::autograd::Function<SummedLinearCrossEntropyFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
-                               const torch::Tensor& weight, const torch::Tensor& labels,
-                               int64_t ignore_index, int64_t chunk_rows) {
+                               const torch::Tensor& weight_in, const torch::Tensor& labels,
+                               int64_t ignore_index, int64_t chunk_rows, int64_t compute) {
     const int64_t N = hidden.size(0);
+    const auto weight = compute_copy(weight_in, compute);
     auto f32 = hidden.options().dtype(torch::kFloat32);
     auto loss = torch::empty({N}, f32), lse = torch::empty({N}, f32);
     auto ones = torch::ones({std::min(chunk_rows, N)}, f32);  // d loss of every row of the sum
     torch::Tensor dhidden, dweight;
     if (hidden.requires_grad()) dhidden = torch::empty(hidden.sizes(), hidden.options());
-    if (weight.requires_grad()) dweight = weight_grad_accumulator(weight);
+    if (weight_in.requires_grad()) dweight = weight_grad_accumulator(weight);
     for (int64_t start = 0; start < N; start += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, N - start);
       auto h = hidden.narrow(0, start, rows);
@@ -696,7 +772,7 @@ struct SummedLinearCrossEntropyFunction
     }
     ctx->saved_data["dhidden"] = dhidden;
     ctx->saved_data["dweight"] = dweight;
-    ctx->saved_data["weight_dtype"] = int64_t(weight.scalar_type());
+    ctx->saved_data["weight_dtype"] = int64_t(weight_in.scalar_type());
     return loss.sum();
   }
 
@@ -708,7 +784,7 @@ struct SummedLinearCrossEntropyFunction
     if (dhidden.defined()) dh = dhidden * g;  // (in dhidden's dtype; float32 arithmetic)
     if (dweight.defined())
       dw = (dweight * g).to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
-    return {dh, dw, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dh, dw, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 #endif  // FOX_WITH_CUDA
@@ -953,6 +1029,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
 #endif
   torch::Tensor y;
+#ifdef FOX_WITH_CUDA
+  if (const int64_t compute = float32_gradient_dtype(weight); compute >= 0 && weight.dim() == 2) {
+    y = Float32GradientLinearFunction::apply(
+        autocast_arg(x), weight,
+        bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt, compute);
+    return residual.defined() ? add_promoted(y, residual) : y;
+  }
+#endif
   if (bias.defined() && x.dim() > 2 && weight.dim() == 2) {
     // Rows folded into one addmm, whose GEMM adds the bias in its epilogue: F.linear on a 3-D
     // input runs a matmul and a broadcast add_ of the bias, not vectorized (a step's input
@@ -1021,9 +1105,11 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
     return linear(gated(gate, value, act), weight, bias, residual);
   }
   is_silu(act);  // checks act before the autograd function takes it
+  const int64_t compute = float32_gradient_dtype(weight);
   auto y = GatedLinearFunction::apply(
-      gate, value, autocast_arg(weight),
-      bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
+      gate, value, weight_arg(weight, compute),
+      bias.defined() ? std::optional<torch::Tensor>(weight_arg(bias, compute)) : std::nullopt, act,
+      compute);
   return residual.defined() ? add_promoted(y, residual) : y;
 }
 
@@ -1042,9 +1128,11 @@ torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::str
     auto gv = rows_view(gate_value);
     if (rows_fit(F, F, {gv.narrow(1, 0, F), gv.narrow(1, F, F)})) {
       is_silu(act);  // checks act before the autograd function takes it
+      const int64_t compute = float32_gradient_dtype(weight);
       auto y = SplitGatedLinearFunction::apply(
-          gate_value, autocast_arg(weight),
-          bias.defined() ? std::optional<torch::Tensor>(autocast_arg(bias)) : std::nullopt, act);
+          gate_value, weight_arg(weight, compute),
+          bias.defined() ? std::optional<torch::Tensor>(weight_arg(bias, compute)) : std::nullopt,
+          act, compute);
       return residual.defined() ? add_promoted(y, residual) : y;
     }
   }
@@ -1071,19 +1159,22 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
               "linear_cross_entropy: labels must be integer class indices, got ",
               labels.scalar_type());
   auto h = rows_view(autocast_arg(hidden));
-  auto w = autocast_arg(weight);
+  const int64_t compute = float32_gradient_dtype(weight);
+  auto w = weight_arg(weight, compute);
   if (chunk_rows == 0) {
     constexpr int64_t kChunkBytes = int64_t(256) << 20;
-    chunk_rows = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, w.size(0) * w.element_size()));
+    const int64_t logit_bytes = compute >= 0 ? 2 : w.element_size();
+    chunk_rows = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, w.size(0) * logit_bytes));
   }
   auto flat = labels.reshape({-1}).to(h.device(), torch::kLong).contiguous();
 #ifdef FOX_WITH_CUDA
   if (reduction != "none" && LinearCrossEntropyFunction::direct(h)) {
-    auto total = SummedLinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows);
+    auto total =
+        SummedLinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows, compute);
     return reduce_loss(total, flat, ignore_index, reduction);
   }
 #endif
-  return reduce_loss(LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows)
+  return reduce_loss(LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows, compute)
                          .view(labels.sizes()),
                      labels, ignore_index, reduction);
 }

@@ -317,6 +317,73 @@ def test_gated_linear_is_the_composition(device, dtype, with_bias, with_residual
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fn", ["linear", "gated_linear", "split_gated_linear"])
+def test_float32_weight_gradient_under_autocast(fn):
+    """Under bf16 autocast a float32 weight's gradient comes from the GEMM in float32 (bf16
+    operands, float32 output), where autocast's composition makes it in bf16 and casts it up: the
+    output and the input's gradient bitwise the composition's, the weight's gradient that GEMM's
+    bit for bit and closer to float64 than the composition's."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    N, C, O = 300, 96, 40
+    gu = torch.randn(N, 2 * C, device="cuda", generator=g)
+    w = torch.randn(O, C, device="cuda", generator=g) / C**0.5
+    dy = torch.randn(N, O, device="cuda", generator=g)
+
+    def product(gu):  # what the weight multiplies
+        return gu[:, :C] if fn == "linear" else fused.gated(gu[:, :C], gu[:, C:], "swish")
+
+    def ours(gu, w):
+        if fn == "linear":
+            return fused.linear(gu[:, :C], w)
+        if fn == "gated_linear":
+            return fused.gated_linear(gu[:, :C], gu[:, C:], "swish", w)
+        return fused.split_gated_linear(gu.bfloat16(), "swish", w)
+
+    def composition(gu, w):
+        return F.linear(product(gu.bfloat16() if fn == "split_gated_linear" else gu), w)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, (dgu, dw) = forward_backward(ours, [gu, w], dy)
+        out_c, (dgu_c, dw_c) = forward_backward(composition, [gu, w], dy)
+        x = product(gu.bfloat16() if fn == "split_gated_linear" else gu).bfloat16()
+    assert torch.equal(out, out_c) and torch.equal(dgu, dgu_c)
+    assert dw.dtype == torch.float32
+    assert torch.equal(dw, torch.mm(dy.bfloat16().t(), x, out_dtype=torch.float32))
+    exact = dy.bfloat16().double().t() @ x.double()
+    assert (dw - exact).abs().max() < (dw_c - exact).abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_loss_weight_gradient_in_float32_under_autocast(reduction):
+    """The LM head loss under bf16 autocast makes a float32 weight's gradient in float32 (its
+    chunks' GEMMs add up in float32 and the sum is no longer rounded to bf16): closer to the
+    float64 gradient of the same bf16 operands than the composition's, which rounds it."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    N, C, V = 300, 64, 1000
+    hidden = torch.randn(N, C, device="cuda", generator=g)
+    w = torch.randn(V, C, device="cuda", generator=g) * 3 / C**0.5
+    labels = torch.randint(0, V, (N,), device="cuda", generator=g)
+    dloss = torch.rand(N, device="cuda", generator=g) + 0.5 if reduction == "none" else torch.ones((), device="cuda")
+
+    def composition(h, w):
+        return F.cross_entropy(F.linear(h, w).float(), labels, reduction=reduction)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, (_, dw) = forward_backward(
+            lambda h, w: fused.linear_cross_entropy(h, w, labels, chunk_rows=128, reduction=reduction),
+            [hidden, w], dloss)
+        _, (_, dw_c) = forward_backward(composition, [hidden, w], dloss)
+    h64, w64 = hidden.bfloat16().double(), w.bfloat16().double()
+    d = torch.softmax(h64 @ w64.t(), -1) - F.one_hot(labels, V).double()
+    exact = (d * dloss.double().reshape(-1, 1) if reduction == "none" else d).t() @ h64
+    assert dw.dtype == torch.float32
+    assert (dw - exact).abs().max() < (dw_c - exact).abs().max()
+
+
 def loss_case(device, dtype):
     """(hidden (3, 41, 64), weight (1000, 64), labels (3, 41) with 6 ignored) of the loss tests."""
     B, T, C, V = 3, 41, 64, 1000
