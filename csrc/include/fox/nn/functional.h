@@ -68,7 +68,9 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
 /// x @ weight^T (+ bias) (+ residual): F.linear, with an optional residual added in the same
 /// pass. On CUDA without autograd, for up to 8 rows of fp16/bf16 (weight of x's dtype), one
 /// matrix-vector kernel that reads the weight once (a decoding step's projections); elsewhere
-/// F.linear and an add.
+/// F.linear and an add. Under autocast on CUDA a float32 weight's gradient is made in float32 by
+/// the GEMM itself (autocast's F.linear makes it in bf16 and casts it up); so are those of
+/// gated_linear, split_gated_linear and linear_cross_entropy.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {}, const torch::Tensor& residual = {});
 
