@@ -241,7 +241,9 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
     fresh = concatenate_projections(linears, !torch::GradMode::is_enabled());
   }
   auto y = functional::linear(x, c->weight, c->bias);
-  auto has_bias = [&](size_t i) { return i < c->part_biases.size() && c->part_biases[i].defined(); };
+  auto has_bias = [&](size_t i) {
+    return i < c->part_biases.size() && c->part_biases[i].defined();
+  };
   std::vector<int64_t> first(targets.size());
   for (size_t i = 1; i < targets.size(); ++i) first[i] = first[i - 1] + c->widths[i - 1];
   auto index_of = [&](const torch::Tensor* target) {

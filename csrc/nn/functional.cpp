@@ -231,7 +231,8 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
     return l;
   }
   // A norm weight as the norm kernels read it: float32 or y's dtype as it is.
-  static torch::Tensor kernel_weight(const std::optional<torch::Tensor>& w, const torch::Tensor& y) {
+  static torch::Tensor kernel_weight(const std::optional<torch::Tensor>& w,
+                                     const torch::Tensor& y) {
     if (!w || !w->defined()) return {};
     auto c = w->contiguous();
     return c.scalar_type() == torch::kFloat32 || c.scalar_type() == y.scalar_type()
@@ -281,8 +282,11 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
     ctx->saved_data["y_dtype"] = int64_t(y.scalar_type());
     ctx->saved_data["layout"] = pack(l);
     ctx->saved_data["eps"] = l.norm_eps;
-    ctx->saved_data["q_weight_dtype"] = int64_t(q_weight ? q_weight->scalar_type() : torch::kFloat32);
-    ctx->saved_data["k_weight_dtype"] = int64_t(k_weight ? k_weight->scalar_type() : torch::kFloat32);
+    auto dtype_of = [](const std::optional<torch::Tensor>& w) {
+      return int64_t(w ? w->scalar_type() : torch::kFloat32);
+    };
+    ctx->saved_data["q_weight_dtype"] = dtype_of(q_weight);
+    ctx->saved_data["k_weight_dtype"] = dtype_of(k_weight);
     return out;
   }
 
@@ -290,7 +294,8 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
     auto saved = ctx->get_saved_variables();
     const auto &y = saved[0], &qw = saved[1], &kw = saved[2], &rstd_q = saved[3],
                &rstd_k = saved[4], &k_shifted = saved[5];
-    const auto l = unpack(ctx->saved_data["layout"].toIntVector(), ctx->saved_data["eps"].toDouble());
+    const auto l =
+        unpack(ctx->saved_data["layout"].toIntVector(), ctx->saved_data["eps"].toDouble());
     const auto sizes = ctx->saved_data["y_sizes"].toIntVector();
     const int64_t B = sizes[0], T = sizes[1], rows = B * T, W = sizes[2];
     const auto y2 = y.defined() ? y.view({rows, W}) : y;
@@ -339,14 +344,15 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
     auto dk_w = norm_weight_grad(kw, 2);
     if (l.k_group) {
       auto into = l.k_shift < 0 ? columns(l.k, l.kv_width) : torch::empty_like(dk);
-      cuda::rms_norm_backward(dk, l.k_shift < 0 ? y2.narrow(1, l.k, l.kv_width) : rows_view(k_shifted),
-                              float32(kw), rstd_k, l.k_group, into, dk_w);
+      const auto k_in = l.k_shift < 0 ? y2.narrow(1, l.k, l.kv_width) : rows_view(k_shifted);
+      cuda::rms_norm_backward(dk, k_in, float32(kw), rstd_k, l.k_group, into, dk_w);
       if (l.k_shift >= 0) shift_back(into, l.k, l.k_shift);
     } else {
       shift_back(l.k_shift < 0 ? grads[1] : dk, l.k, l.k_shift);
     }
     shift_back(l.v_shift < 0 ? grads[2] : aligned(rows_view(grads[2])), l.v, l.v_shift);
-    for (size_t i = 0; i < l.passed.size(); ++i) put(l.passed[i].first, l.passed[i].second, grads[3 + i]);
+    for (size_t i = 0; i < l.passed.size(); ++i)
+      put(l.passed[i].first, l.passed[i].second, grads[3 + i]);
     // Columns of no part (the projection's padding) get zeros.
     for (int64_t c = 0; c < W;) {
       if (covered[c]) { ++c; continue; }
@@ -465,8 +471,8 @@ torch::Tensor weight_gradient(const torch::Tensor& dy, const torch::Tensor& x, b
 struct Float32GradientLinearFunction
     : public torch::autograd::Function<Float32GradientLinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, const std::optional<torch::Tensor>& bias,
-                               int64_t compute) {
+                               const torch::Tensor& weight,
+                               const std::optional<torch::Tensor>& bias, int64_t compute) {
     const auto w = compute_copy(weight, compute);
     const auto b = compute_copy(bias.value_or(torch::Tensor()), compute);
     ctx->save_for_backward({x, w});
@@ -570,7 +576,8 @@ struct GatedLinearFunction : public torch::autograd::Function<GatedLinearFunctio
     variable_list out(6);
     if (ctx->needs_input_grad(0)) out[0] = dg.view(gate.sizes());
     if (ctx->needs_input_grad(1)) out[1] = du.view(value.sizes());
-    if (h.defined()) out[2] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
+    if (h.defined())
+      out[2] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(3)) out[3] = dy.sum(0);
     return out;
   }
@@ -619,7 +626,8 @@ struct SplitGatedLinearFunction : public torch::autograd::Function<SplitGatedLin
       h = torch::empty({gv.size(0), F}, gv.options());
       cuda::gated_forward(gate, value, silu, h);
     }
-    if (h.defined()) out[1] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
+    if (h.defined())
+      out[1] = weight_gradient(dy, h, ctx->saved_data["float32_weight_grad"].toBool());
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = dy.sum(0);
     return out;
   }
@@ -957,17 +965,19 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
   // y), and every part's rows fit the row kernels (the gradient's columns then do too: same
   // width, offsets and row stride).
   auto fits = [&] {
-    if (!(fused(y) && y.is_contiguous() && y.numel() > 0) ||
-        (y.scalar_type() == torch::kFloat32 && at::autocast::is_autocast_enabled(y.device().type())))
-      return false;
+    const bool cast_by_autocast = y.scalar_type() == torch::kFloat32 &&
+                                  at::autocast::is_autocast_enabled(y.device().type());
+    if (!(fused(y) && y.is_contiguous() && y.numel() > 0) || cast_by_autocast) return false;
     auto rows = [&](int64_t first, int64_t width) { return rows_view(part(first, width)); };
+    // A KV-shift's channel group: one head.
+    const int64_t head = l.shift_heads > 0 ? l.kv_width / l.shift_heads : l.kv_width;
     auto weight_fits = [&](const torch::Tensor& w) {
       return !w.defined() || (w.device() == y.device() && w.dim() == 1);
     };
     return weight_fits(q_norm_weight) && weight_fits(k_norm_weight) &&
            (!l.q_group || rows_fit(l.q_width, l.q_group, {rows(l.q, l.q_width)})) &&
-           (l.k_shift < 0 || rows_fit(l.kv_width, l.kv_width / l.shift_heads, {rows(l.k, l.kv_width)})) &&
-           (l.v_shift < 0 || rows_fit(l.kv_width, l.kv_width / l.shift_heads, {rows(l.v, l.kv_width)})) &&
+           (l.k_shift < 0 || rows_fit(l.kv_width, head, {rows(l.k, l.kv_width)})) &&
+           (l.v_shift < 0 || rows_fit(l.kv_width, head, {rows(l.v, l.kv_width)})) &&
            (!l.k_group || rows_fit(l.kv_width, l.k_group, {rows(l.k, l.kv_width)}));
   };
   if (wanted && !without_autograd({y, q_norm_weight, k_norm_weight}) && fits()) {
@@ -1174,9 +1184,10 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
     return reduce_loss(total, flat, ignore_index, reduction);
   }
 #endif
-  return reduce_loss(LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows, compute)
-                         .view(labels.sizes()),
-                     labels, ignore_index, reduction);
+  return reduce_loss(
+      LinearCrossEntropyFunction::apply(h, w, flat, ignore_index, chunk_rows, compute)
+          .view(labels.sizes()),
+      labels, ignore_index, reduction);
 }
 
 torch::Tensor argmax(const torch::Tensor& x) {

@@ -426,7 +426,8 @@ void init_nn_bindings(py::module_& parent) {
         functional::AttentionInputLayout l;
         l.q = q, l.k = k, l.v = v, l.q_width = q_width, l.kv_width = kv_width;
         l.k_shift = k_shift, l.v_shift = v_shift, l.shift_heads = shift_heads;
-        l.q_group = q_group, l.k_group = k_group, l.norm_eps = norm_eps, l.passed = std::move(passed);
+        l.q_group = q_group, l.k_group = k_group, l.norm_eps = norm_eps;
+        l.passed = std::move(passed);
         return functional::attention_inputs(y, l, q_norm_weight.value_or(torch::Tensor()),
                                             k_norm_weight.value_or(torch::Tensor()));
       },

@@ -340,7 +340,7 @@ __global__ void gated_backward_kernel(const T* dy, const T* __restrict__ g, int6
   if (y) store(y + row * C + c, prod);
 }
 
-// ---- rows copied between strided views --------------------------------------------------------------
+// ---- rows copied between strided views ------------------------------------------------------------
 // ATen's copy into a view with a row stride runs its unvectorized kernel (~half the bandwidth).
 
 template <typename T, int VEC>

@@ -26,9 +26,9 @@ int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta = {},
                       const at::Tensor& sum = {});
-// dx (rows, C), any row stride, and, when defined, dweight (C,) float32. With dsum (rows, C) of x's dtype, dx is
-// the norm's input gradient plus dsum (the residual stream's gradient that skips the norm); with
-// dx_cast (x's dtype, or dy's when x is float32) dx is also written there.
+// dx (rows, C), any row stride, and, when defined, dweight (C,) float32. With dsum (rows, C) of
+// x's dtype, dx is the norm's input gradient plus dsum (the residual stream's gradient that skips
+// the norm); with dx_cast (x's dtype, or dy's when x is float32) dx is also written there.
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& rstd, int64_t group, const at::Tensor& dx,
                        const at::Tensor& dweight, const at::Tensor& dsum = {},
@@ -40,7 +40,8 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
 // state); it may be first itself only when T = 1.
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
                        const at::Tensor& out, const at::Tensor& last = {});
-// dout contiguous; dcur (B, T, C) and dlogits (B, T, H) any strides with a contiguous last dimension.
+// dout contiguous; dcur (B, T, C) and dlogits (B, T, H) any strides, the last dimension
+// contiguous.
 void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at::Tensor& logits,
                         const at::Tensor& first, const at::Tensor& dcur,
                         const at::Tensor& dlogits, const at::Tensor& dfirst);
