@@ -208,7 +208,8 @@ ForgettingAttentionLayerImpl::concatenate_projections(
 ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
     const torch::Tensor& x, bool transform) {
   // One GEMM for every projection of x: the weights are concatenated (the parameters keep the
-  // authors' names) and the backward of split_with_sizes is one concatenation. The wide outputs
+  // authors' names) and the backward of split_with_sizes is one concatenation (with `transform`,
+  // attention_inputs writes the parts' gradients into one tensor instead). The wide outputs
   // come first. With autograd the concatenation is redone every call (it is part of the graph);
   // few-row inference (decoding) keeps it while the parameters are unchanged, so a decoding step
   // is one GEMV instead of one per projection. Under autograd the biases (the forget gate's) are
