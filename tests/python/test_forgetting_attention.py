@@ -405,6 +405,44 @@ def test_deterministic(device, kv_heads):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_gate_gradient_of_long_sequences():
+    """The gate's gradient is a reverse cumulative sum over the whole sequence, which the GPU splits
+    into chunks of positions (up to 64 per sequence, several pieces of 1024 each past 64k): at chunk
+    and piece boundaries it must be the gradient of the whole sequence. With a fast-forgetting gate
+    (log f ~ -1.3) a position's gradient only depends on the pairs within W tokens around it, so
+    the float64 op on a slice around it gives the reference; and a packed batch of long sequences
+    gives each sequence what it gets alone."""
+    torch.manual_seed(0)
+    N, H, D, W = 70_000, 2, 64, 128  # 64 chunks of 2 pieces (35 of them hold positions)
+    q, k, v = (torch.randn(1, N, H, D, device="cuda") for _ in range(3))
+    log_f = F.logsigmoid(torch.randn(1, N, H, device="cuda") * 0.5 - 1.0)
+    grad_out = torch.randn(1, N, H, D, device="cuda")
+    _, grads = forward_backward(op, (q, k, v, log_f), grad_out)
+    dlog_f = grads[3]
+    for t in (1, 1023, 1024, 2047, 2048, 2049, 4096, 40_000, 65_535, 65_536, 68_607, 68_608, N - 1):
+        lo, hi = max(0, t - 2 * W), min(N, t + W)
+        part = [x[:, lo:hi].cpu().double() for x in (q, k, v, log_f)]
+        _, ref = forward_backward(op, part, grad_out[:, lo:hi].cpu().double())
+        expected = ref[3][0, t - lo]
+        torch.testing.assert_close(dlog_f[0, t].cpu().double(), expected, rtol=1e-4,
+                                   atol=1e-4 * expected.abs().max().item(), msg=f"position {t}")
+
+    lengths = [3000, 1, 2300, 0, 1025]
+    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+    q, k, v, g = make_inputs(B=1, Tq=bounds[-1], H=2, D=64, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    grad_out = torch.randn_like(q)
+    cu_seqlens = index_tensor(bounds, "cuda", torch.int32)
+    _, packed = forward_backward(lambda *x: op(*x, None, cu_seqlens), (q, k, v, g), grad_out)
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        if e > b:
+            _, alone = forward_backward(op, [x[:, b:e] for x in (q, k, v, g)], grad_out[:, b:e])
+            scale = alone[3].abs().max().item()
+            torch.testing.assert_close(packed[3][:, b:e], alone[3], rtol=1e-5, atol=1e-5 * scale)
+
+
 FUSED_BACKWARD_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, seq_start, varlen lengths, threshold)
     ("d128", 2, 300, 300, 2, 2, 128, None, None, None),
     ("d64", 2, 300, 300, 2, 2, 64, None, None, None),

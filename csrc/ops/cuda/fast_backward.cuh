@@ -393,7 +393,7 @@ void run_fast_backward(const BackwardParams& p, const BackwardWorkspace& ws, int
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     kernel<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, q_tiles);
   }
-  generic::launch_gate_grad(p, ws, stream);
+  generic::launch_gate_grad(p, ws, max_len_k, stream);
 }
 
 }  // namespace fox::cuda

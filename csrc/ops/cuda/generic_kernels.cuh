@@ -14,6 +14,7 @@
 // subtraction.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common.cuh"
@@ -683,49 +684,80 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dlog_fgate_t = sum_{u >= t} dc_u within each sequence: one block per (sequence, head); each thread
-// owns a contiguous segment, segments are combined by a fixed-order scan (double accumulation).
-static __global__ void __launch_bounds__(256)
-    gate_grad_kernel(const BackwardParams p, const BackwardWorkspace ws) {
-  constexpr int kScanThreads = 256;
-  __shared__ double segment_sum[kScanThreads];
-  const int64_t h = blockIdx.x % p.num_heads, seq = blockIdx.x / p.num_heads;
-  const SequenceView s = p.sequence(seq);
+// dlog_fgate_t = sum_{u >= t} dc_u within each sequence, dc_u = dc_row[u] + the row sum of dS of query
+// u - offset, added up in double. One block per (sequence, head, chunk of whole pieces of kGatePiece
+// positions), so that a batch of one long sequence still fills the GPU: a block first adds up every
+// position after its chunk itself (no workspace and no order between blocks, so the same bits in every
+// run; kGateMaxChunks bounds how often a position is read), then scans its chunk piece by piece from
+// the end, each thread owning kGatePerThread consecutive positions (the warp's reads contiguous).
+constexpr int kGateThreads = 256, kGateWarps = kGateThreads / 32, kGatePerThread = 4;
+constexpr int64_t kGatePiece = kGateThreads * kGatePerThread, kGateMaxChunks = 64;
+
+static __global__ void __launch_bounds__(kGateThreads)
+    gate_grad_kernel(const BackwardParams p, const BackwardWorkspace ws, int64_t chunks) {
+  __shared__ double warp_total[kGateWarps];
+  const int64_t chunk = blockIdx.x % chunks, h = (blockIdx.x / chunks) % p.num_heads;
+  const SequenceView s = p.sequence(blockIdx.x / (chunks * p.num_heads));
+  const int64_t pieces_per_chunk = (s.len_k + kGatePiece * chunks - 1) / (kGatePiece * chunks);
+  const int64_t lo = chunk * pieces_per_chunk * kGatePiece;
+  if (lo >= s.len_k) return;
+  const int64_t hi = min64(s.len_k, lo + pieces_per_chunk * kGatePiece);
   const float* dc_row = key_stat(ws.dc, p, s, h, 0);
-  // dc_t = rowsum_t(dS) - colsum_t(dS); key position t holds query t - offset.
   const float* rowsum = ws.dq_rowsum + row_stat_offset(p, s, h);
-  const int64_t offset = s.len_k - s.len_q;
+  const int64_t offset = s.len_k - s.len_q;  // key position t holds query t - offset
   auto dc_at = [&](int64_t t) {
     return static_cast<double>(dc_row[t]) + (t >= offset ? rowsum[t - offset] : 0.f);
   };
   float* dg = static_cast<float*>(p.dlog_fgate) + s.batch_index * p.dg_batch_stride +
               s.row_k * p.dg_row_stride + h * p.dg_head_stride;
-  const int64_t per_thread = (s.len_k + kScanThreads - 1) / kScanThreads;
-  const int64_t lo = threadIdx.x * per_thread, hi = min64(s.len_k, lo + per_thread);
-  double sum = 0.0;
-  for (int64_t t = lo; t < hi; ++t) sum += dc_at(t);
-  segment_sum[threadIdx.x] = sum;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  // Every position after the chunk: strided over the threads, a xor tree in each warp (every lane
+  // gets the same bits), then the warp totals from the last.
+  double after = 0.0;
+  for (int64_t t = hi + threadIdx.x; t < s.len_k; t += kGateThreads) after += dc_at(t);
+  for (int o = 16; o > 0; o >>= 1) after += __shfl_xor_sync(0xffffffffu, after, o);
+  if (lane == 0) warp_total[warp] = after;
   __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive suffix sums of the segments
-    double run = 0.0;
-    for (int i = kScanThreads - 1; i >= 0; --i) {
-      const double x = segment_sum[i];
-      segment_sum[i] = run;
-      run += x;
+  after = 0.0;
+  for (int w = kGateWarps - 1; w >= 0; --w) after += warp_total[w];
+
+  for (int64_t base = lo + (hi - lo - 1) / kGatePiece * kGatePiece; base >= lo; base -= kGatePiece) {
+    const int64_t t0 = base + kGatePerThread * threadIdx.x;
+    double suffix[kGatePerThread], run = 0.0;  // this thread's positions from the end
+#pragma unroll
+    for (int k = kGatePerThread - 1; k >= 0; --k) {
+      run += t0 + k < hi ? dc_at(t0 + k) : 0.0;
+      suffix[k] = run;
     }
-  }
-  __syncthreads();
-  double run = segment_sum[threadIdx.x];
-  for (int64_t t = hi - 1; t >= lo; --t) {
-    run += dc_at(t);
-    dg[t * p.dg_row_stride] = static_cast<float>(run);
+    // The sums of this lane's and the later lanes' positions, then of the later lanes' alone.
+    double lanes = run;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const double later = __shfl_down_sync(0xffffffffu, lanes, o);
+      if (lane + o < 32) lanes += later;
+    }
+    double later_lanes = __shfl_down_sync(0xffffffffu, lanes, 1);
+    if (lane == 31) later_lanes = 0.0;
+    __syncthreads();  // every thread has read warp_total (the previous piece)
+    if (lane == 0) warp_total[warp] = lanes;
+    __syncthreads();
+    double rest = after;  // the positions after this piece, then after this warp in it
+    for (int w = kGateWarps - 1; w > warp; --w) rest += warp_total[w];
+    rest += later_lanes;
+#pragma unroll
+    for (int k = 0; k < kGatePerThread; ++k)
+      if (t0 + k < hi) dg[(t0 + k) * p.dg_row_stride] = static_cast<float>(rest + suffix[k]);
+    for (int w = kGateWarps - 1; w >= 0; --w) after += warp_total[w];
   }
 }
 
 // Launches gate_grad_kernel (the last step of each backward: the portable, Hopper and generic paths).
-static inline void launch_gate_grad(const BackwardParams& p, const BackwardWorkspace& ws, cudaStream_t stream) {
-  if (p.batch * p.num_heads > 0)
-    gate_grad_kernel<<<static_cast<unsigned>(p.batch * p.num_heads), 256, 0, stream>>>(p, ws);
+static inline void launch_gate_grad(const BackwardParams& p, const BackwardWorkspace& ws, int64_t max_len_k,
+                                    cudaStream_t stream) {
+  const int64_t chunks = std::max<int64_t>(1, std::min(kGateMaxChunks, (max_len_k + kGatePiece - 1) / kGatePiece));
+  const int64_t blocks = p.batch * p.num_heads * chunks;
+  if (blocks > 0) gate_grad_kernel<<<static_cast<unsigned>(blocks), kGateThreads, 0, stream>>>(p, ws, chunks);
 }
 
 // ---- launchers -----------------------------------------------------------------------------------
@@ -797,7 +829,7 @@ void run_generic_backward(const BackwardParams& p, const BackwardWorkspace& ws, 
     allow_smem(kernel, dq_smem_bytes(D));
     kernel<<<static_cast<unsigned>(q_blocks), kThreads, dq_smem_bytes(D), stream>>>(p, ws, q_tiles);
   }
-  launch_gate_grad(p, ws, stream);
+  launch_gate_grad(p, ws, max_len_k, stream);
 }
 
 }  // namespace fox::cuda

@@ -716,7 +716,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
     const int64_t rows = (p.cu_seqlens != nullptr ? 1 : p.batch) * p.num_heads * p.seqlen_q;
     const int64_t blocks = std::min<int64_t>((rows + 7) / 8, 65535);
     if (blocks > 0) dq_from_accumulator<T, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, ws);
-    generic::launch_gate_grad(p, ws, stream);
+    generic::launch_gate_grad(p, ws, max_len_k, stream);
     return;
   }
   const int64_t q_tiles = (max_len_q + kBlockM - 1) / kBlockM;
@@ -727,7 +727,7 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
     const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kDqKeys<kHeadDim>);
     dq<<<static_cast<unsigned>(q_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, q_tiles, maps);
   }
-  generic::launch_gate_grad(p, ws, stream);
+  generic::launch_gate_grad(p, ws, max_len_k, stream);
 }
 
 }  // namespace fox::cuda
