@@ -712,11 +712,11 @@ static __global__ void __launch_bounds__(kGateThreads)
               s.row_k * p.dg_row_stride + h * p.dg_head_stride;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-  // Every position after the chunk: strided over the threads, a xor tree in each warp (every lane
-  // gets the same bits), then the warp totals from the last.
+  // Every position after the chunk: strided over the threads, summed in each warp (every lane gets
+  // the same bits), then the warp totals from the last.
   double after = 0.0;
   for (int64_t t = hi + threadIdx.x; t < s.len_k; t += kGateThreads) after += dc_at(t);
-  for (int o = 16; o > 0; o >>= 1) after += __shfl_xor_sync(0xffffffffu, after, o);
+  after = warp_sum(after);
   if (lane == 0) warp_total[warp] = after;
   __syncthreads();
   after = 0.0;
@@ -731,12 +731,7 @@ static __global__ void __launch_bounds__(kGateThreads)
       suffix[k] = run;
     }
     // The sums of this lane's and the later lanes' positions, then of the later lanes' alone.
-    double lanes = run;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const double later = __shfl_down_sync(0xffffffffu, lanes, o);
-      if (lane + o < 32) lanes += later;
-    }
+    const double lanes = warp_inclusive_suffix_scan(run, lane);
     double later_lanes = __shfl_down_sync(0xffffffffu, lanes, 1);
     if (lane == 31) later_lanes = 0.0;
     __syncthreads();  // every thread has read warp_total (the previous piece)
