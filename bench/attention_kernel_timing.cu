@@ -4,7 +4,10 @@
 // in [-1e-3, 0]) and half local (log f ~ -1), the inputs a hash of their index. CUDA events around
 // each pass, median of the repetitions; prints checksums of out, dq, dk and dv per cell.
 //
-//   fox_attention_kernel_timing [--reps N] [--d 64|128] [N ...]      (default: both, 2k-16k)
+//   fox_attention_kernel_timing [--reps N] [--d 64|128] [--heads H] [--fused | --nondeterministic] [N ...]
+//
+// (default: both head dims, 2k-16k, the two-kernel backward; --fused: the five-product backward
+// with dQ added in turns; --nondeterministic: in any order; --heads: H heads instead of 32 / 16.)
 //
 // Built with the Catch2 tests (FOX_BUILD_TESTS=1, or FOX_BUILD_BENCH=1) into build/cmake; needs an
 // sm_90 GPU. To compare a change of the kernels with the kept code, build the program from both
@@ -61,8 +64,8 @@ __global__ void checksum(const __nv_bfloat16* x, size_t n, double* partial) {
 }
 
 template <int D>
-void run(int N, int reps, bool fused) {
-  const int B = 16384 / N, H = D == 64 ? 32 : 16;
+void run(int N, int reps, bool fused, bool in_turns, int heads) {
+  const int B = 16384 / N, H = heads > 0 ? heads : D == 64 ? 32 : 16;
   const size_t n = size_t{1} * B * N * H * D, ns = size_t{1} * B * H * N;
   __nv_bfloat16* t[8];  // q, k, v, out, dout, dq, dk, dv
   for (int i = 0; i < 8; ++i) {
@@ -106,9 +109,10 @@ void run(int N, int reps, bool fused) {
   ws.dc = dc;
   ws.dq_rowsum = rowsum;
   ws.query_bias = query_bias;
-  // --nondeterministic: the fused backward, its float32 dQ accumulator zeroed in the timed part
-  const size_t acc_bytes = fox::cuda::fused_dq_accumulator_floats(ns, D) * sizeof(float);
+  // The fused backward: its float32 dQ accumulator and turn counters zeroed in the timed part
+  const size_t acc_bytes = fox::cuda::fused_dq_workspace_words(ns, D) * sizeof(float);
   if (fused) check(cudaMalloc(&ws.dq_accum, acc_bytes), "dQ accumulator");
+  if (fused && in_turns) ws.dq_turns = reinterpret_cast<int*>(ws.dq_accum + fox::cuda::fused_dq_accumulator_floats(ns, D));
 
   cudaEvent_t e[3];
   for (auto& x : e) check(cudaEventCreate(&x), "event");
@@ -155,20 +159,24 @@ void run(int N, int reps, bool fused) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20, only_d = 0;
-  bool fused = false;
+  int reps = 20, only_d = 0, heads = 0;
+  bool fused = false, in_turns = false;
   std::vector<int> lengths;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
       reps = std::max(1, std::atoi(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
+      heads = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--d") && i + 1 < argc) {
       only_d = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--nondeterministic")) {
       fused = true;
+    } else if (!std::strcmp(argv[i], "--fused")) {
+      fused = in_turns = true;
     } else if (std::atoi(argv[i]) >= 128 && std::atoi(argv[i]) <= 16384 && 16384 % std::atoi(argv[i]) == 0) {
       lengths.push_back(std::atoi(argv[i]));
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [--nondeterministic] [N ...] (N divides 16384)\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [--heads H] [--fused | --nondeterministic] [N ...] (N divides 16384)\n", argv[0]);
       return 2;
     }
   }
@@ -184,9 +192,9 @@ int main(int argc, char** argv) {
     if (only_d != 0 && d != only_d) continue;
     for (int n : lengths) {
       if (d == 64)
-        run<64>(n, reps, fused);
+        run<64>(n, reps, fused, in_turns, heads);
       else
-        run<128>(n, reps, fused);
+        run<128>(n, reps, fused, in_turns, heads);
     }
   }
   return 0;

@@ -452,16 +452,22 @@ FUSED_BACKWARD_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, seq_start, varlen lengt
     ("varlen_d128", 1, 0, 0, 2, 1, 128, None, [5, 0, 200, 131], None),
     ("varlen_d64", 1, 0, 0, 2, 2, 64, None, [130, 1, 257], None),
     ("threshold", 2, 300, 300, 2, 2, 128, None, None, -30.0),
+    ("long_d128", 1, 2100, 2100, 2, 2, 128, None, None, None),  # 17 key tiles add to a query tile
+    ("long_gqa_d64", 1, 1900, 1900, 4, 2, 64, None, None, None),
 ]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("case", FUSED_BACKWARD_CASES, ids=[c[0] for c in FUSED_BACKWARD_CASES])
-def test_nondeterministic_backward(monkeypatch, case):
-    """FOX_NONDETERMINISTIC_BACKWARD=1: on Hopper, the five-product backward whose dQ is added up
-    in float32 in any order (FOX_FUSED_BACKWARD_MIN_LEN=0: at every length). Same 2x rule against
-    the float64 reference; torch.use_deterministic_algorithms(True) turns it off."""
+@pytest.mark.parametrize("order", ["in_turns", "any_order"])
+def test_fused_backward(monkeypatch, case, order):
+    """On Hopper, the five-product backward whose dQ a writer warpgroup adds up in float32
+    (FOX_FUSED_BACKWARD_MIN_LEN=0: at every length, not only long sequences): in turns (the
+    default), bitwise the same on every run; in any order (FOX_NONDETERMINISTIC_BACKWARD=1), which
+    torch.use_deterministic_algorithms(True) turns off. Same 2x rule against the float64
+    reference; out, dK and dV are the two-kernel backward's bits (FOX_FUSED_BACKWARD=0). (Pruning,
+    the threshold case, keeps the two kernels.)"""
     name, B, Tq, Tk, H, Hkv, D, starts, lengths, threshold = case
     cu_seqlens = seq_start = None
     if lengths is not None:
@@ -475,8 +481,11 @@ def test_nondeterministic_backward(monkeypatch, case):
     grad_out = torch.randn(q.shape, device="cuda")
     opts = dict(seq_start=seq_start, cu_seqlens=cu_seqlens)
     run = lambda *x: op(*x, seq_start, cu_seqlens, None, threshold)  # noqa: E731
+    monkeypatch.setenv("FOX_FUSED_BACKWARD", "0")
     deterministic = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
-    monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
+    monkeypatch.delenv("FOX_FUSED_BACKWARD")
+    if order == "any_order":
+        monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
     monkeypatch.setenv("FOX_FUSED_BACKWARD_MIN_LEN", "0")
     out, grads = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
     ref, ref_grads = forward_backward(lambda *x: naive_attention(*x, **opts),
@@ -494,13 +503,25 @@ def test_nondeterministic_backward(monkeypatch, case):
             assert torch.equal(a, b), grad_name
         else:
             torch.testing.assert_close(a, b, **same_math_tol(q.dtype))
+    if threshold is None:  # the fused kernel ran: dQ's sums in another order
+        assert not torch.equal(grads[0], deterministic[1][0])
+    if order == "in_turns":
+        for _ in range(2):
+            again = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
+            for grad_name, a, b in zip(GRAD_NAMES, again[1], grads):
+                assert torch.equal(a, b), grad_name
+        return
+    # Under torch.use_deterministic_algorithms(True): the default's bits, the turns
+    monkeypatch.delenv("FOX_NONDETERMINISTIC_BACKWARD")
+    in_turns = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
+    monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         again = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
     finally:
         torch.use_deterministic_algorithms(previous)
-    for grad_name, a, b in zip(GRAD_NAMES, again[1], deterministic[1]):
+    for grad_name, a, b in zip(GRAD_NAMES, again[1], in_turns[1]):
         assert torch.equal(a, b), grad_name
 
 

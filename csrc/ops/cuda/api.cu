@@ -75,19 +75,29 @@ bool hopper_kernels_enabled() {
   return enabled;
 }
 
-// FOX_NONDETERMINISTIC_BACKWARD=1: the Hopper backward in one kernel of five products per tile
-// pair, dQ accumulated by float32 reductions in whatever order the tiles finish (not bitwise
-// reproducible), where it is faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries
-// (default 8192; at 4096 it measured even, below slower: zeroing and converting its float32
-// accumulator costs ~0.1 ms per 16k tokens of 16 heads of 128). Off under
-// torch.use_deterministic_algorithms(True). The default is the deterministic two-kernel backward.
-// Read per call (tests set them).
-bool fused_backward(int64_t max_len_q) {
-  const char* v = std::getenv("FOX_NONDETERMINISTIC_BACKWARD");
-  if (v == nullptr || *v == '\0' || std::string(v) == "0") return false;
-  if (at::globalContext().deterministicAlgorithms()) return false;
+// The Hopper backward's form. Two kernels (seven matrix products per tile pair), or one kernel of
+// five products whose dQ a writer warpgroup adds up in float32 (bench/NOTES.md, versions 43 and
+// 50): in turns, the default (FOX_FUSED_BACKWARD=0 turns it off), or in whatever order the tiles
+// finish (FOX_NONDETERMINISTIC_BACKWARD=1; off under torch.use_deterministic_algorithms). The two
+// kernels and the turns are bitwise reproducible, each with its own bits. Fused only where it is
+// faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries (default 8192: zeroing and
+// converting the float32 accumulator costs ~0.1 ms per 16k tokens of 16 heads of 128), and not
+// with pruning (its walks end early, which the producer warp would have to foresee and which
+// would leave turns untaken). Read per call (tests set them).
+enum class BackwardForm { kTwoKernels, kFusedInTurns, kFusedAnyOrder };
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+BackwardForm backward_form(int64_t max_len_q, bool pruned) {
   const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
-  return max_len_q >= (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 8192);
+  if (pruned || max_len_q < (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 8192))
+    return BackwardForm::kTwoKernels;
+  if (env_flag("FOX_NONDETERMINISTIC_BACKWARD") && !at::globalContext().deterministicAlgorithms())
+    return BackwardForm::kFusedAnyOrder;
+  const char* fused = std::getenv("FOX_FUSED_BACKWARD");
+  if (fused != nullptr && std::string(fused) == "0") return BackwardForm::kTwoKernels;
+  return BackwardForm::kFusedInTurns;
 }
 
 // FOX_DISABLE_DECODE_KERNEL=1 sends decoding to the prefill kernels' split-KV path (comparisons).
@@ -436,10 +446,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
             auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
             ws.query_bias = query_bias.data_ptr<float>();
-            at::Tensor dq_accum;
-            if (fused_backward(max_len_q)) {
-              dq_accum = at::zeros({fused_dq_accumulator_floats(q.size(0) * q.size(2) * q.size(1), kHeadDim)}, f32);
+            at::Tensor dq_accum;  // (and the turn counters after it)
+            const BackwardForm form = backward_form(max_len_q, adaptive_threshold.has_value());
+            if (form != BackwardForm::kTwoKernels) {
+              const int64_t rows = q.size(0) * q.size(2) * q.size(1);
+              dq_accum = at::zeros({fused_dq_workspace_words(rows, kHeadDim)}, f32);
               ws.dq_accum = dq_accum.data_ptr<float>();
+              if (form == BackwardForm::kFusedInTurns)
+                ws.dq_turns = reinterpret_cast<int*>(ws.dq_accum + fused_dq_accumulator_floats(rows, kHeadDim));
             }
             run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,
                                              stream);

@@ -151,17 +151,20 @@ __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, in
   return t;
 }
 
-// The key tile a dK/dV block owns: the first key tiles (seen by the most queries) first. Its walk
-// covers the queries of every head of the kv head's group.
+// The key tile a dK/dV block owns: the first key tiles (seen by the most queries) first, or with
+// `last_first` the last ones first (the fused backward in turns: a block only waits for the key
+// tiles after its own, so these must start no later). Its walk covers the queries of every head of
+// the kv head's group.
 struct KeyTile {
   SequenceView s;
   int64_t hk = 0, j0 = 0;  // kv head, first key
 };
 __device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles,
-                                                  int block_n) {
+                                                  int block_n, bool last_first = false) {
   const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
                                        4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head());
-  return {p.sequence(o.row / p.num_kv_heads), o.row % p.num_kv_heads, o.rank * block_n};
+  const int64_t tile = last_first ? num_tiles - 1 - o.rank : o.rank;
+  return {p.sequence(o.row / p.num_kv_heads), o.row % p.num_kv_heads, tile * block_n};
 }
 
 // Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.

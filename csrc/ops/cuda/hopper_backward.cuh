@@ -10,12 +10,13 @@
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
 //     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
-//     Fused (kFusedDq, the five-product backward): the same kernel also computes this key tile's
-//     part of dQ, dQ^T = K^T dS^T (dS^T through shared memory), and adds it with the row sums of
-//     dS to a float32 accumulator by one bulk reduction per tile pair; dq_from_accumulator then
-//     scales and rounds it. The additions of different key tiles land in any order, so the
-//     result is not bitwise reproducible: an option (FOX_NONDETERMINISTIC_BACKWARD=1), not the
-//     default.
+//     Fused (kFusedDq, the five-product backward; the default for long sequences, api.cu): the
+//     same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T through shared
+//     memory), and stages it with the row sums of dS for a third warpgroup, whose producer warp
+//     loads the query tiles (TMA) and whose writer warp adds each staged tile to a float32
+//     accumulator by one bulk reduction, in turns (bitwise reproducible: write_dq_tiles) or in
+//     any order; dq_from_accumulator then scales and rounds it. The math warpgroups only wait
+//     for tiles and staging space, and get the third warpgroup's registers (setmaxnreg).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
 //     S = Q K^T, dP = dO V^T, dQ += dS K, walking key tiles (kDqKeys) downwards; row sums of dS.
 //
@@ -82,17 +83,21 @@ struct DkdvSmem {
   // sums of dS of each warp.
   static constexpr size_t kBytesDst = kFusedDq ? 2 * kBlockN * kQueries : 0;
   static constexpr size_t kBytesDqStage = sizeof(float) * kQueries * kDqAccRow<kHeadDim>;
-  static constexpr size_t kBytesFused =
-      kFusedDq ? kBytesDst + 2 * kBytesDqStage + sizeof(float) * kWarps * kQueries : 0;
+  static constexpr size_t kBytesRowSums = sizeof(float) * kWarps * kQueries;
+  // The writer's barriers (full[2], empty[2]) and the two staging tiles' slots (accumulator row,
+  // turn: 16 bytes each).
+  static constexpr size_t kBytesWriter = 4 * sizeof(uint64_t) + 2 * 16;
+  static constexpr size_t kBytesFused = kFusedDq ? kBytesDst + 2 * kBytesDqStage + kBytesRowSums + kBytesWriter : 0;
   static constexpr size_t kBytes = kBytesTiles + kBytesStats + kBytesHandoff + kBytesFused;
   static constexpr size_t kAllocBytes = kBytes + 1024;
-  // [K, V, Q/dO stages][dS^T][statistics][handoff][dQ staging x 2][row sums]: the tiles wgmma
-  // reads 1024-byte aligned, the staging tiles 16-byte aligned.
+  // [K, V, Q/dO stages][dS^T][statistics][handoff][dQ staging x 2][row sums][writer]: the tiles
+  // wgmma reads 1024-byte aligned, the staging tiles 16-byte aligned.
   static constexpr size_t kOffDst = kBytesTiles;
   static constexpr size_t kOffStats = kOffDst + kBytesDst;
   static constexpr size_t kOffHandoff = kOffStats + kBytesStats;
   static constexpr size_t kOffDqStage = kOffHandoff + kBytesHandoff;
   static constexpr size_t kOffRowSums = kOffDqStage + 2 * kBytesDqStage;
+  static constexpr size_t kOffWriter = kOffRowSums + kBytesRowSums;
   static_assert(!kFusedDq || kQueries * kHeadDim == 128 * 64, "fused dQ: two 64 x 64 halves per tile");
 };
 
@@ -185,6 +190,51 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The fused backward's writer (one thread of a warpgroup of its own, so that the math warpgroups
+// never wait for a reduction or a turn): staging tile n % 2 is handed over by full[n % 2] together
+// with its slot (the accumulator row of the query tile; the turn, the number of key tiles that add
+// to that query tile before this one); a slot row < 0 ends the block. With `turns`, a query tile's
+// key tiles add from the diagonal down: each waits until the counter of its tile reaches its turn
+// and moves it on once its own addition has landed, so dQ's float32 sums come out in one order on
+// every run. The tiles after this block's are started no later than it (block_key_tile's
+// last_first), and they reach each query tile first, so a block only waits on blocks running ahead.
+struct DqWriterSlot {
+  int64_t row;
+  int32_t turn;
+  int32_t pad;
+};
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+template <int kDqRow>
+__device__ __forceinline__ void write_dq_tiles(float* accum, int* turns, const float* stage, uint64_t* full,
+                                               uint64_t* empty, const DqWriterSlot* slots, int stage_floats) {
+  const uint32_t bytes = static_cast<uint32_t>(sizeof(float) * stage_floats);
+  for (int64_t n = 0;; ++n) {
+    const int b = static_cast<int>(n & 1);
+    mbarrier_wait(full + b, static_cast<uint32_t>((n >> 1) & 1));
+    const DqWriterSlot slot = slots[b];
+    if (slot.row < 0) break;
+    if (turns != nullptr) {
+      while (load_acquire_gpu(turns + slot.row) != slot.turn) {
+      }
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier additions, for the copy engine
+    }
+    bulk_reduce_add(accum + slot.row * kDqRow, stage + b * stage_floats, bytes);
+    bulk_commit();
+    bulk_wait_read<0>();
+    mbarrier_arrive(empty + b);  // the staging tile may be written again
+    if (turns != nullptr) {
+      bulk_wait<0>();  // landed
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turns + slot.row) : "memory");
+    }
+  }
+  bulk_wait<0>();
+}
+
 // Sums each of the K values of v over the 8 rows (`group`) of a C fragment's column, in a fixed
 // order, scattering the sums: three halving exchanges (xor 16, 8, 4) leave this lane the sums of
 // entries [first, first + K / 8), first = (lane & 16 ? K / 2 : 0) + (lane & 8 ? K / 4 : 0) +
@@ -209,8 +259,74 @@ __device__ __forceinline__ int column_sums_scattered(float (&v)[K]) {
   return first;
 }
 
+// The fused dK/dV kernel's producer warp: the query tiles of the block's walk (every head of the
+// kv head's group, from qt_begin up; no pruning in the fused form, so every walk runs to the end),
+// into the stage of tile `it` once the math threads have released it: Q and dO by TMA (lane 0's
+// transaction), a partial last tile by cp.async with zeros past the end, and the per-query T,
+// -(T + lse) and delta by cp.async (the 32 lanes' arrivals).
+template <typename T, int kQueries, int kHeadDim>
+__device__ __forceinline__ void produce_query_tiles(const BackwardParams& p, const BackwardWorkspace& ws,
+                                                    const float* suffix, const SequenceView& s, int64_t hk,
+                                                    int64_t qt_begin, T* QdO, float* stats,
+                                                    const TileHandoff& handoff, const TileMaps& maps) {
+  constexpr int kQ = kQueries * kHeadDim;
+  const int lane = threadIdx.x & 31;
+  const int64_t offset = s.len_k - s.len_q;
+  const int64_t heads_per_group = p.heads_per_kv_head();
+  int64_t it = 0;
+  for (int64_t h = hk * heads_per_group; h < (hk + 1) * heads_per_group; ++h) {
+    const HeadPointers<T> hp = head_pointers<T>(p, s, h);
+    const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
+                    s.row_q * p.do_row_stride + h * p.do_head_stride;
+    const int64_t stat = row_stat_offset(p, s, h);
+    const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+    for (int64_t qt = qt_begin; qt * kQueries < s.len_q; ++qt, ++it) {
+      const int st = static_cast<int>(it & 1);
+      if (it >= 2) {  // tile it - 2 released (and so its phase of full done: for synccheck)
+        const uint32_t parity = static_cast<uint32_t>(((it - 2) >> 1) & 1);
+        mbarrier_wait(handoff.empty + st, parity);
+        mbarrier_wait(handoff.full + st, parity);
+      }
+      const int64_t i0 = qt * kQueries;
+      const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
+      T* Qn = QdO + 2 * st * kQ;
+      if (nq == kQueries) {
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(handoff.full + st, 2 * kQ * sizeof(T));
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load(Qn + cb * kQueries * 64, &maps.first, 64 * cb, s.row_q + i0, h, s.batch_index, handoff.full + st);
+            tma_load(Qn + kQ + cb * kQueries * 64, &maps.second, 64 * cb, s.row_q + i0, h, s.batch_index,
+                     handoff.full + st);
+          }
+        }
+      } else {
+        if (lane == 0) mbarrier_arrive(handoff.full + st);
+        load_tile<T, kQueries, kHeadDim, 32>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
+        load_tile<T, kQueries, kHeadDim, 32>(Qn + kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
+      }
+      float* sn = stats + 3 * st * kQueries;
+#pragma unroll
+      for (int c = lane; c < kQueries; c += 32) {
+        const bool ok = c < nq;
+        const int64_t i = ok ? i0 + c : 0;
+        cp_async_4(sn + c, T_ + i + offset, ok);
+        cp_async_4(sn + kQueries + c, ws.query_bias + stat + i, ok);
+        cp_async_4(sn + 2 * kQueries + c, ws.delta + stat + i, ok);
+      }
+      cp_async_arrive(handoff.full + st);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// Threads of the dK/dV kernel: two math warpgroups, and in the fused form a warpgroup of a producer
+// warp (the query tiles) and a writer warp (the reductions of dQ).
+template <bool kFusedDq>
+constexpr int kDkdvThreads = kThreads + (kFusedDq ? 128 : 0);
+
 template <typename T, int kHeadDim, bool kFusedDq>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
     dkdv_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
                 int64_t num_tiles, const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -230,13 +346,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* Dst = reinterpret_cast<T*>(base + Smem::kOffDst);
   float* dq_stage = reinterpret_cast<float*>(base + Smem::kOffDqStage);
   float* warp_rowsums = reinterpret_cast<float*>(base + Smem::kOffRowSums);
+  uint64_t* dq_full = reinterpret_cast<uint64_t*>(base + Smem::kOffWriter);
+  uint64_t* dq_empty = dq_full + 2;
+  DqWriterSlot* dq_slots = reinterpret_cast<DqWriterSlot*>(dq_full + 4);
   constexpr int kDqRow = kDqAccRow<kHeadDim>;
+  constexpr int kStageFloats = kQueries * kDqRow;
+  // Barrier of the threads that walk: the math warpgroups (the writer's warpgroup does not take part).
+  auto sync_math = [] {
+    if constexpr (kFusedDq)
+      math_barrier();
+    else
+      __syncthreads();
+  };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
 
-  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN);
+  const bool in_turns = kFusedDq && ws.dq_turns != nullptr;
+  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns);
   const SequenceView s = kt.s;
   const int64_t hk = kt.hk, j0 = kt.j0, tile = j0 / kBlockN;
   if (j0 >= s.len_k) return;
@@ -246,9 +374,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async. With TMA the
   // stage handoff is decoupled (the tiles are counted across the heads: `it`).
+  // Fused: the producer warp fills the stages (its lane 0's transaction and its 32 lanes' copies).
   const bool use_tma = maps.enabled != 0;
-  const TileHandoff handoff(base + Smem::kOffHandoff, use_tma && FOX_HOPPER_DKDV_DECOUPLED, use_tma);
+  const TileHandoff handoff(base + Smem::kOffHandoff, use_tma && FOX_HOPPER_DKDV_DECOUPLED, use_tma,
+                            kFusedDq ? 1 + 32 : -1);
+  const int64_t qt_begin = max64(0, j0 - offset) / kQueries;
+  const bool any_key = j0 + nk - 1 >= s.first_key;
   int64_t it = 0;
+  int n_staged = 0;  // fused: dQ tiles handed to the writer
+  if constexpr (kFusedDq) {
+    // (run_hopper_backward fuses only with TMA and without pruning)
+    if (threadIdx.x == 0) {
+      for (int b = 0; b < 2; ++b) {
+        mbarrier_init(dq_full + b, 1);
+        mbarrier_init(dq_empty + b, 1);
+      }
+      fence_async_proxy();
+    }
+    __syncthreads();
+    if (warp >= kWarps) {  // the producer and writer's warpgroup
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(24) : "memory");
+      if (warp == kWarps && any_key)
+        produce_query_tiles<T, kQueries, kHeadDim>(p, ws, suffix, s, hk, qt_begin, QdO, stats, handoff, maps);
+      else if (warp == kWarps + 1 && lane == 0)
+        write_dq_tiles<kDqRow>(ws.dq_accum, ws.dq_turns, dq_stage, dq_full, dq_empty, dq_slots, kStageFloats);
+      return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(240) : "memory");
+  }
   {
     const HeadPointers<T> hp = head_pointers<T>(p, s, hk * heads_per_group);
     load_tile<T, kBlockN, kHeadDim>(Ks, hp.k + j0 * hp.k_row, hp.k_row, nk);
@@ -260,8 +413,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  const int64_t qt_begin = max64(0, j0 - offset) / kQueries;
-  const bool any_key = j0 + nk - 1 >= s.first_key;
   for (int64_t h = hk * heads_per_group; h < (hk + 1) * heads_per_group; ++h) {
     const HeadPointers<T> hp = head_pointers<T>(p, s, h);
     const T* dout = static_cast<const T*>(p.dout) + s.batch_index * p.do_batch_stride +
@@ -298,19 +449,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       handoff.loaded(tile_it, by_tma);
     };
 
-    __syncthreads();  // every warp is done with the previous head's tiles and Tk
+    sync_math();  // every warp is done with the previous head's tiles and Tk
     if (threadIdx.x < kBlockN) {
       const int64_t j = j0 + threadIdx.x;
       cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
     const bool any_query = any_key && qt_begin * kQueries < s.len_q;
-    if (any_query) {
+    if (!kFusedDq && any_query) {
       handoff.wait_free(it);  // (free since the barrier above; the wait keeps the phases in step)
       load_queries(qt_begin, it);
     }
     cp_async_commit();
     cp_async_wait<0>();
-    __syncthreads();
+    sync_math();
     // Anchor j0: C of the key tile is T[j0]; R of this thread's keys (T in log2 units).
     float c_cur = Tk[0];
     float rk[2];
@@ -345,11 +496,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
       const float max_bias = p0 <= j0 + nk - 1 ? 0.f : r_first - r_last;
-      if (max_bias < prune_log2) {
+      if (!kFusedDq && max_bias < prune_log2) {  // (the fused form runs without pruning)
         handoff.release(it++);
         break;
       }
-      if ((qt + 1) * kQueries < s.len_q) {
+      if (!kFusedDq && (qt + 1) * kQueries < s.len_q) {
         handoff.wait_free(it + 1);
         load_queries(qt + 1, it + 1);
       }
@@ -447,7 +598,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float dqT[32];
       if constexpr (kFusedDq) {
         fence_async_proxy();
-        __syncthreads();
+        sync_math();
         const T* a = Ks + (kHeadDim > 64 ? wg * kBlockN * 64 : 0);
         const T* b = Dst + (kHeadDim > 64 ? 0 : wg * kBlockN * 64);
         cute::warpgroup_arrive();
@@ -465,7 +616,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kFusedDq) {
         fence_registers(dqT);
         // Staging tile [query][kDqRow]: dQ (unscaled), then the row sum of dS.
-        float* stage = dq_stage + (it & 1) * (kQueries * kDqRow);
+        // Staging tile n_staged % 2, once the writer has read what it held two tiles ago.
+        const int sb = static_cast<int>(n_staged & 1);
+        if (n_staged >= 2) mbarrier_wait(dq_empty + sb, static_cast<uint32_t>(((n_staged - 2) >> 1) & 1));
+        float* stage = dq_stage + sb * kStageFloats;
         const int d0 = (kHeadDim > 64 ? 64 * wg : 0) + 16 * (warp & 3) + group;
         const int c0 = (kHeadDim > 64 ? 0 : 64 * wg) + 2 * quad;
 #pragma unroll
@@ -481,29 +635,31 @@ __global__ void __launch_bounds__(kThreads, 1)
           stage[threadIdx.x * kDqRow + kHeadDim] = sum;
         }
         fence_async_proxy();
-        __syncthreads();
+        sync_math();  // (also: every warp is done with dS^T and its row sums)
         if (threadIdx.x == 0) {
-          // (rows past the sequence add zeros: their dS^T columns are zero)
-          bulk_reduce_add(ws.dq_accum + (stat + i0) * kDqRow, stage,
-                          static_cast<uint32_t>(sizeof(float) * kQueries * kDqRow));
-          bulk_commit();
-          bulk_wait_read<1>();  // the other staging tile is free for the next tile pair
+          // (rows past the sequence add zeros: their dS^T columns are zero). The turn: the key
+          // tiles after this one up to the diagonal's add first.
+          const int64_t diagonal = min64((p0 + nq - 1) / kBlockN, (s.len_k - 1) / kBlockN);
+          dq_slots[sb] = {stat + i0, static_cast<int32_t>(diagonal - tile), 0};
+          mbarrier_arrive(dq_full + sb);
         }
+        ++n_staged;
       }
       handoff.release(it);
     }
-    // Fused: the next walk starts with both staging tiles free (a walk cut short moves `it` on by
-    // one, so its first tile may stage where the last reduction is still reading).
-    if constexpr (kFusedDq)
-      if (threadIdx.x == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
   }
   cp_async_wait<0>();
   if constexpr (kFusedDq)
-    if (threadIdx.x == 0) bulk_wait<0>();  // the reductions have read shared memory and landed
+    if (threadIdx.x == 0) {  // the end, in the slot after the last tile
+      const int sb = static_cast<int>(n_staged & 1);
+      if (n_staged >= 2) mbarrier_wait(dq_empty + sb, static_cast<uint32_t>(((n_staged - 2) >> 1) & 1));
+      dq_slots[sb] = {-1, 0, 0};
+      mbarrier_arrive(dq_full + sb);
+    }
 
-  if constexpr (kHeadDim <= 64) __syncthreads();  // (store_accumulator: staged through K and V)
+  if constexpr (kHeadDim <= 64) sync_math();  // (store_accumulator: staged through K and V)
   const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
   store_accumulator<T, kBlockN, kHeadDim>(Ks, out.dk, p.dk_row_stride, warp_row0, nk, dk,
                                           static_cast<float>(p.scale));
@@ -697,7 +853,10 @@ template <typename T, int kHeadDim>
 void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream) {
   using namespace hopper;
-  const bool fused = ws.dq_accum != nullptr;
+  // The fused form needs the decoupled stage handoff (tiles by TMA): its math warpgroups have no
+  // block barrier to share with the writer's.
+  const TileMaps maps = make_query_grad_maps(p, std::is_same_v<T, __nv_bfloat16>, kDkdvQueries<kHeadDim>);
+  const bool fused = ws.dq_accum != nullptr && maps.enabled != 0 && FOX_HOPPER_DKDV_DECOUPLED;
   auto dkdv = fused ? dkdv_kernel<T, kHeadDim, true> : dkdv_kernel<T, kHeadDim, false>;
   auto dq = dq_kernel<T, kHeadDim>;
   generic::launch_delta<T>(p, ws.delta, stream);
@@ -709,8 +868,8 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
   if (kv_blocks > 0) {
     const size_t smem = fused ? DkdvSmem<kHeadDim, true>::kAllocBytes : DkdvSmem<kHeadDim, false>::kAllocBytes;
     cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const TileMaps maps = make_query_grad_maps(p, std::is_same_v<T, __nv_bfloat16>, kDkdvQueries<kHeadDim>);
-    dkdv<<<static_cast<unsigned>(kv_blocks), kThreads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps);
+    const int threads = fused ? kDkdvThreads<true> : kDkdvThreads<false>;
+    dkdv<<<static_cast<unsigned>(kv_blocks), threads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps);
   }
   if (fused) {
     const int64_t rows = (p.cu_seqlens != nullptr ? 1 : p.batch) * p.num_heads * p.seqlen_q;

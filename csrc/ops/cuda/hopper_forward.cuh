@@ -187,14 +187,16 @@ __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], con
   }
 }
 
-// Rows [0, rows) of a kRows x kHeadDim tile into shared memory (zeros in the other rows).
-template <typename T, int kRows, int kHeadDim>
+// Rows [0, rows) of a kRows x kHeadDim tile into shared memory (zeros in the other rows), by the
+// block's first kLoaders threads (or one warp of a producer: kLoaders = 32).
+template <typename T, int kRows, int kHeadDim, int kLoaders = kThreads>
 __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int rows) {
   constexpr int kChunks = kHeadDim / 8;
-  static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the threads");
-#pragma unroll
-  for (int i = 0; i < kRows * kChunks / kThreads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
+  static_assert(kRows * kChunks % kLoaders == 0, "tile must split evenly over the threads");
+  // (unrolled for the block's threads; a producer warp, short of registers, keeps the loop)
+#pragma unroll(kLoaders >= kThreads ? kRows * kChunks / kLoaders : 1)
+  for (int i = 0; i < kRows * kChunks / kLoaders; ++i) {
+    const int idx = threadIdx.x % kLoaders + i * kLoaders;
     const int row = idx / kChunks, chunk = idx % kChunks;
     const bool valid = row < rows;
     cp_async_16(smem + sw128_offset(row, chunk, kRows), src + (valid ? row : 0) * ld + chunk * 8,
@@ -309,12 +311,16 @@ struct TileHandoff {
   bool decoupled;
   bool tma;
 
-  // Thread 0 initialises the barriers: a __syncthreads must follow before any use.
-  __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_, bool tma_ = false)
+  // Thread 0 initialises the barriers: a __syncthreads must follow before any use. With
+  // `producer_arrivals` >= 0 a producer warp of a warp-specialised kernel fills the stages (full
+  // expects that many arrivals), and the math threads only wait and release (decoupled).
+  __device__ __forceinline__ TileHandoff(void* storage, bool decoupled_, bool tma_ = false,
+                                         int producer_arrivals = -1)
       : full(static_cast<uint64_t*>(storage)), empty(full + 2), decoupled(decoupled_), tma(tma_) {
     if (threadIdx.x != 0 || !(decoupled || tma)) return;
     for (int st = 0; st < 2; ++st) {
-      mbarrier_init(full + st, (decoupled ? kThreads : 0) + (tma ? 1 : 0));
+      mbarrier_init(full + st, producer_arrivals >= 0 ? producer_arrivals
+                                                      : (decoupled ? kThreads : 0) + (tma ? 1 : 0));
       if (decoupled) mbarrier_init(empty + st, kThreads);
     }
     fence_async_proxy();  // the initialised barriers, for the copy engine

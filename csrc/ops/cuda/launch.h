@@ -32,10 +32,13 @@ struct BackwardWorkspace {
   // Hopper kernels only: -(T + lse) per query in log2 units, T the gate suffix sum at its position
   // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
   float* query_bias = nullptr;
-  // Fused Hopper backward only (FOX_NONDETERMINISTIC_BACKWARD=1): dQ and the row sums of dS
+  // Fused Hopper backward only (long sequences, api.cu): dQ and the row sums of dS
   // accumulated in float32, zeroed, rows of fused_dq_row(head_dim) floats laid out like lse, plus
   // 128 rows of padding (a last partial query tile adds its zeros past the end).
   float* dq_accum = nullptr;
+  // Fused backward in turns (bitwise reproducible dQ): per query row, zeroed, the number of key
+  // tiles that have added their part to the query tile starting at that row; nullptr: any order.
+  int* dq_turns = nullptr;
 };
 
 // Floats per row of BackwardWorkspace::dq_accum (dQ, the row sum of dS, padding: rows stay 16-byte
@@ -44,6 +47,11 @@ struct BackwardWorkspace {
 constexpr int fused_dq_row(int head_dim) { return head_dim + 4; }
 constexpr int64_t fused_dq_accumulator_floats(int64_t rows, int head_dim) {
   return (rows + 128) * fused_dq_row(head_dim);
+}
+// 4-byte words of the whole fused workspace: the accumulator, then the turn counters (one per
+// query row), zeroed together.
+constexpr int64_t fused_dq_workspace_words(int64_t rows, int head_dim) {
+  return fused_dq_accumulator_floats(rows, head_dim) + rows + 128;
 }
 
 // Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
