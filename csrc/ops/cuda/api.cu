@@ -65,13 +65,16 @@ bool rows_are_16_byte_aligned(const at::Tensor& x) {
          x.stride(1) % elems == 0 && x.stride(2) % elems == 0;
 }
 
+// An on/off switch in the environment: set, not empty and not "0".
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
 // FOX_DISABLE_HOPPER_KERNELS=1 runs the portable (sm_80) kernels on a Hopper GPU too: for
 // side-by-side benchmarks and for bisecting.
 bool hopper_kernels_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("FOX_DISABLE_HOPPER_KERNELS");
-    return v == nullptr || std::string(v) == "0" || std::string(v).empty();
-  }();
+  static const bool enabled = !env_flag("FOX_DISABLE_HOPPER_KERNELS");
   return enabled;
 }
 
@@ -85,10 +88,6 @@ bool hopper_kernels_enabled() {
 // with pruning (its walks end early, which the producer warp would have to foresee and which
 // would leave turns untaken). Read per call (tests set them).
 enum class BackwardForm { kTwoKernels, kFusedInTurns, kFusedAnyOrder };
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && std::string(v) != "0";
-}
 BackwardForm backward_form(int64_t max_len_q, bool pruned) {
   const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
   if (pruned || max_len_q < (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 8192))
@@ -102,10 +101,7 @@ BackwardForm backward_form(int64_t max_len_q, bool pruned) {
 
 // FOX_DISABLE_DECODE_KERNEL=1 sends decoding to the prefill kernels' split-KV path (comparisons).
 bool decode_kernel_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("FOX_DISABLE_DECODE_KERNEL");
-    return v == nullptr || std::string(v) == "0" || std::string(v).empty();
-  }();
+  static const bool enabled = !env_flag("FOX_DISABLE_DECODE_KERNEL");
   return enabled;
 }
 
