@@ -109,8 +109,10 @@ void run(int N, int reps, bool fused, bool in_turns, int heads) {
   ws.dc = dc;
   ws.dq_rowsum = rowsum;
   ws.query_bias = query_bias;
-  // The fused backward: its float32 dQ accumulator and turn counters zeroed in the timed part
+  // The fused backward: its float32 dQ accumulator and turn counters, the part that needs zeros
+  // zeroed in the timed part
   const size_t acc_bytes = fox::cuda::fused_dq_workspace_words(ns, D) * sizeof(float);
+  const int64_t zeroed = fox::cuda::fused_dq_zeroed_from(ns, D, in_turns);
   if (fused) check(cudaMalloc(&ws.dq_accum, acc_bytes), "dQ accumulator");
   if (fused && in_turns) ws.dq_turns = reinterpret_cast<int*>(ws.dq_accum + fox::cuda::fused_dq_accumulator_floats(ns, D));
 
@@ -121,7 +123,7 @@ void run(int N, int reps, bool fused, bool in_turns, int heads) {
     check(cudaEventRecord(e[0]), "record");
     fox::cuda::run_hopper_forward<__nv_bfloat16, D>(p, suffix, N, N, 0);
     check(cudaEventRecord(e[1]), "record");
-    if (fused) check(cudaMemsetAsync(ws.dq_accum, 0, acc_bytes, 0), "zero");
+    if (fused) check(cudaMemsetAsync(ws.dq_accum + zeroed, 0, acc_bytes - zeroed * sizeof(float), 0), "zero");
     fox::cuda::run_hopper_backward<__nv_bfloat16, D>(p, ws, suffix, N, N, 0);
     check(cudaEventRecord(e[2]), "record");
     check(cudaEventSynchronize(e[2]), "run");

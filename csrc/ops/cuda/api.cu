@@ -446,9 +446,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             const BackwardForm form = backward_form(max_len_q, adaptive_threshold.has_value());
             if (form != BackwardForm::kTwoKernels) {
               const int64_t rows = q.size(0) * q.size(2) * q.size(1);
-              dq_accum = at::zeros({fused_dq_workspace_words(rows, kHeadDim)}, f32);
+              const bool in_turns = form == BackwardForm::kFusedInTurns;
+              const int64_t zeroed = fused_dq_zeroed_from(rows, kHeadDim, in_turns);
+              dq_accum = at::empty({fused_dq_workspace_words(rows, kHeadDim)}, f32);
+              dq_accum.narrow(0, zeroed, dq_accum.size(0) - zeroed).zero_();
               ws.dq_accum = dq_accum.data_ptr<float>();
-              if (form == BackwardForm::kFusedInTurns)
+              if (in_turns)
                 ws.dq_turns = reinterpret_cast<int*>(ws.dq_accum + fused_dq_accumulator_floats(rows, kHeadDim));
             }
             run_hopper_backward<T, kHeadDim>(p, ws, suffix.data_ptr<float>(), max_len_q, max_len_k,

@@ -178,6 +178,12 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, ui
                "r"(smem_address(src)), "r"(bytes)
                : "memory");
 }
+// The same copy without the addition (stores `bytes`).
+__device__ __forceinline__ void bulk_store(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_address(src)),
+               "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most N groups still reading shared memory.
 template <int N>
@@ -193,15 +199,18 @@ __device__ __forceinline__ void bulk_wait() {
 // The fused backward's writer (one thread of a warpgroup of its own, so that the math warpgroups
 // never wait for a reduction or a turn): staging tile n % 2 is handed over by full[n % 2] together
 // with its slot (the accumulator row of the query tile; the turn, the number of key tiles that add
-// to that query tile before this one); a slot row < 0 ends the block. With `turns`, a query tile's
-// key tiles add from the diagonal down: each waits until the counter of its tile reaches its turn
-// and moves it on once its own addition has landed, so dQ's float32 sums come out in one order on
-// every run. The tiles after this block's are started no later than it (block_key_tile's
-// last_first), and they reach each query tile first, so a block only waits on blocks running ahead.
+// to that query tile before this one; its rows inside the sequence); a slot row < 0 ends the block.
+// With `turns`, a query tile's key tiles add from the diagonal down: each waits until the counter
+// of its tile reaches its turn and moves it on once its own addition has landed, so dQ's float32
+// sums come out in one order on every run. The tiles after this block's are started no later than
+// it (block_key_tile's last_first), and they reach each query tile first, so a block only waits on
+// blocks running ahead. The first turn (the diagonal key tile) stores its rows instead of adding
+// them, so that only the counters need zeros (dq_from_accumulator writes the rows no key tile
+// reaches: the queries before seq_start).
 struct DqWriterSlot {
   int64_t row;
   int32_t turn;
-  int32_t pad;
+  int32_t rows;
 };
 __device__ __forceinline__ int load_acquire_gpu(const int* p) {
   int v;
@@ -211,7 +220,6 @@ __device__ __forceinline__ int load_acquire_gpu(const int* p) {
 template <int kDqRow>
 __device__ __forceinline__ void write_dq_tiles(float* accum, int* turns, const float* stage, uint64_t* full,
                                                uint64_t* empty, const DqWriterSlot* slots, int stage_floats) {
-  const uint32_t bytes = static_cast<uint32_t>(sizeof(float) * stage_floats);
   for (int64_t n = 0;; ++n) {
     const int b = static_cast<int>(n & 1);
     mbarrier_wait(full + b, static_cast<uint32_t>((n >> 1) & 1));
@@ -222,7 +230,11 @@ __device__ __forceinline__ void write_dq_tiles(float* accum, int* turns, const f
       }
       asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier additions, for the copy engine
     }
-    bulk_reduce_add(accum + slot.row * kDqRow, stage + b * stage_floats, bytes);
+    const uint32_t bytes = static_cast<uint32_t>(sizeof(float) * kDqRow * slot.rows);
+    if (turns != nullptr && slot.turn == 0)
+      bulk_store(accum + slot.row * kDqRow, stage + b * stage_floats, bytes);
+    else
+      bulk_reduce_add(accum + slot.row * kDqRow, stage + b * stage_floats, bytes);
     bulk_commit();
     bulk_wait_read<0>();
     mbarrier_arrive(empty + b);  // the staging tile may be written again
@@ -637,10 +649,9 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         fence_async_proxy();
         sync_math();  // (also: every warp is done with dS^T and its row sums)
         if (threadIdx.x == 0) {
-          // (rows past the sequence add zeros: their dS^T columns are zero). The turn: the key
-          // tiles after this one up to the diagonal's add first.
+          // The turn: the key tiles after this one up to the diagonal's add first.
           const int64_t diagonal = min64((p0 + nq - 1) / kBlockN, (s.len_k - 1) / kBlockN);
-          dq_slots[sb] = {stat + i0, static_cast<int32_t>(diagonal - tile), 0};
+          dq_slots[sb] = {stat + i0, static_cast<int32_t>(diagonal - tile), nq};
           mbarrier_arrive(dq_full + sb);
         }
         ++n_staged;
@@ -822,7 +833,8 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
 }
 
 // The fused backward's last step: dQ = scale * accumulator, rounded to T, and the row sums of dS
-// (ws.dq_rowsum). One warp per query row of the (batch, num_heads, seqlen_q) accumulator.
+// (ws.dq_rowsum). One warp per query row of the (batch, num_heads, seqlen_q) accumulator. Queries
+// before seq_start have no keys: zeros (no key tile writes their rows when dQ is added in turns).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(256) dq_from_accumulator(const BackwardParams p, const BackwardWorkspace ws) {
   constexpr int kDqRow = kDqAccRow<kHeadDim>;
@@ -835,13 +847,15 @@ __global__ void __launch_bounds__(256) dq_from_accumulator(const BackwardParams 
     const int64_t i = r % p.seqlen_q, h = (r / p.seqlen_q) % p.num_heads, b = r / (p.seqlen_q * p.num_heads);
     const float* acc = ws.dq_accum + r * kDqRow;
     T* out = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+    const bool no_keys = p.seq_start != nullptr && p.cu_seqlens == nullptr &&
+                         i + (p.seqlen_k - p.seqlen_q) < p.seq_start[b];
     if (4 * lane < kHeadDim) {
-      const float4 x = *reinterpret_cast<const float4*>(acc + 4 * lane);
+      const float4 x = no_keys ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(acc + 4 * lane);
       using Mma = MmaTraits<T>;
       *reinterpret_cast<uint2*>(out + 4 * lane) = make_uint2(Mma::pack(x.x * scale, x.y * scale),
                                                              Mma::pack(x.z * scale, x.w * scale));
     }
-    if (lane == 0) ws.dq_rowsum[r] = acc[kHeadDim];
+    if (lane == 0) ws.dq_rowsum[r] = no_keys ? 0.f : acc[kHeadDim];
   }
 }
 

@@ -32,9 +32,9 @@ struct BackwardWorkspace {
   // Hopper kernels only: -(T + lse) per query in log2 units, T the gate suffix sum at its position
   // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
   float* query_bias = nullptr;
-  // Fused Hopper backward only (long sequences, api.cu): dQ and the row sums of dS
-  // accumulated in float32, zeroed, rows of fused_dq_row(head_dim) floats laid out like lse, plus
-  // 128 rows of padding (a last partial query tile adds its zeros past the end).
+  // Fused Hopper backward only (long sequences, api.cu): dQ and the row sums of dS accumulated in
+  // float32, rows of fused_dq_row(head_dim) floats laid out like lse; zeroed, or in turns stored by
+  // the first addition to each row (fused_dq_zeroed_from).
   float* dq_accum = nullptr;
   // Fused backward in turns (bitwise reproducible dQ): per query row, zeroed, the number of key
   // tiles that have added their part to the query tile starting at that row; nullptr: any order.
@@ -46,12 +46,17 @@ struct BackwardWorkspace {
 // and the floats of the whole accumulator for `rows` = batch * num_heads * seqlen_q query rows.
 constexpr int fused_dq_row(int head_dim) { return head_dim + 4; }
 constexpr int64_t fused_dq_accumulator_floats(int64_t rows, int head_dim) {
-  return (rows + 128) * fused_dq_row(head_dim);
+  return rows * fused_dq_row(head_dim);
 }
 // 4-byte words of the whole fused workspace: the accumulator, then the turn counters (one per
-// query row), zeroed together.
+// query row).
 constexpr int64_t fused_dq_workspace_words(int64_t rows, int head_dim) {
-  return fused_dq_accumulator_floats(rows, head_dim) + rows + 128;
+  return fused_dq_accumulator_floats(rows, head_dim) + rows;
+}
+// First word of the fused workspace that needs zeros before the backward: in turns only the
+// counters (the first addition to a row stores it), in any order the accumulator too.
+constexpr int64_t fused_dq_zeroed_from(int64_t rows, int head_dim, bool in_turns) {
+  return in_turns ? fused_dq_accumulator_floats(rows, head_dim) : 0;
 }
 
 // Any head dim in [1, 256], fp16/bf16/fp32 (T = __half, __nv_bfloat16, float). `max_len_q` bounds
