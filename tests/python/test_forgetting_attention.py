@@ -466,8 +466,10 @@ def test_fused_backward(monkeypatch, case, order):
     (FOX_FUSED_BACKWARD_MIN_LEN=0: at every length, not only long sequences): in turns (the
     default), bitwise the same on every run; in any order (FOX_NONDETERMINISTIC_BACKWARD=1), which
     torch.use_deterministic_algorithms(True) turns off. Same 2x rule against the float64
-    reference; out, dK and dV are the two-kernel backward's bits (FOX_FUSED_BACKWARD=0). (Pruning,
-    the threshold case, keeps the two kernels.)"""
+    reference; out, dK and dV are the two-kernel backward's bits (FOX_FUSED_BACKWARD=0). In turns
+    the first addition to each row stores it: the workspace starts as NaN here, so a row that no
+    key tile writes (and dq_from_accumulator does not zero) shows. (Pruning, the threshold case,
+    keeps the two kernels.)"""
     name, B, Tq, Tk, H, Hkv, D, starts, lengths, threshold = case
     cu_seqlens = seq_start = None
     if lengths is not None:
@@ -487,6 +489,7 @@ def test_fused_backward(monkeypatch, case, order):
     if order == "any_order":
         monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
     monkeypatch.setenv("FOX_FUSED_BACKWARD_MIN_LEN", "0")
+    monkeypatch.setenv("FOX_POISON_FUSED_WORKSPACE", "1")
     out, grads = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
     ref, ref_grads = forward_backward(lambda *x: naive_attention(*x, **opts),
                                       [x.double() for x in (q, k, v, g)], grad_out.double())

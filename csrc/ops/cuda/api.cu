@@ -83,15 +83,16 @@ bool hopper_kernels_enabled() {
 // 50): in turns, the default (FOX_FUSED_BACKWARD=0 turns it off), or in whatever order the tiles
 // finish (FOX_NONDETERMINISTIC_BACKWARD=1; off under torch.use_deterministic_algorithms). The two
 // kernels and the turns are bitwise reproducible, each with its own bits. Fused only where it is
-// faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries (default 8192: zeroing and
-// converting the float32 accumulator costs ~0.1 ms per 16k tokens of 16 heads of 128), and not
-// with pruning (its walks end early, which the producer warp would have to foresee and which
-// would leave turns untaken). Read per call (tests set them).
+// faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries (default 2048 at head dim 128,
+// 4096 at 64: below that the tail of the turns and converting the float32 accumulator cost what
+// the two products save; bench/NOTES.md, version 51), and not with pruning (its walks end early,
+// which the producer warp would have to foresee and which would leave turns untaken). Read per
+// call (tests set them).
 enum class BackwardForm { kTwoKernels, kFusedInTurns, kFusedAnyOrder };
-BackwardForm backward_form(int64_t max_len_q, bool pruned) {
+BackwardForm backward_form(int64_t max_len_q, int64_t head_dim, bool pruned) {
   const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
-  if (pruned || max_len_q < (min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : 8192))
-    return BackwardForm::kTwoKernels;
+  const int64_t bound = min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : (head_dim > 64 ? 2048 : 4096);
+  if (pruned || max_len_q < bound) return BackwardForm::kTwoKernels;
   if (env_flag("FOX_NONDETERMINISTIC_BACKWARD") && !at::globalContext().deterministicAlgorithms())
     return BackwardForm::kFusedAnyOrder;
   const char* fused = std::getenv("FOX_FUSED_BACKWARD");
@@ -443,12 +444,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
             auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
             ws.query_bias = query_bias.data_ptr<float>();
             at::Tensor dq_accum;  // (and the turn counters after it)
-            const BackwardForm form = backward_form(max_len_q, adaptive_threshold.has_value());
+            const BackwardForm form = backward_form(max_len_q, kHeadDim, adaptive_threshold.has_value());
             if (form != BackwardForm::kTwoKernels) {
               const int64_t rows = q.size(0) * q.size(2) * q.size(1);
               const bool in_turns = form == BackwardForm::kFusedInTurns;
               const int64_t zeroed = fused_dq_zeroed_from(rows, kHeadDim, in_turns);
               dq_accum = at::empty({fused_dq_workspace_words(rows, kHeadDim)}, f32);
+              if (env_flag("FOX_POISON_FUSED_WORKSPACE"))  // (tests: a row left unwritten shows)
+                dq_accum.fill_(std::numeric_limits<float>::quiet_NaN());
               dq_accum.narrow(0, zeroed, dq_accum.size(0) - zeroed).zero_();
               ws.dq_accum = dq_accum.data_ptr<float>();
               if (in_turns)
