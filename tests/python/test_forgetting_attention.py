@@ -772,6 +772,36 @@ def test_cache_seqlens(device, dtype, seqlen_q):
                 assert torch.count_nonzero(grad[b, n:]) == 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_cache_seqlens_fused_backward(monkeypatch):
+    """The five-product backward (forced at every length) with per-row cache lengths and seq_start:
+    the queries before a row's seq_start sit at positions of that row's own length, and their dQ
+    rows, which no key tile writes in turns, are zeros (the workspace starts as NaN)."""
+    B, Tq, Tk = 3, 200, 700
+    q, k, v, g = make_inputs(B, Tq, Tk, 2, 2, 64, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    lengths = index_tensor([Tk, 250, 500], "cuda")
+    starts = index_tensor([0, 0, 420], "cuda")  # row 2: queries at 300..499, keys from 420
+    grad_out = torch.randn(q.shape, device="cuda").to(q.dtype)
+    monkeypatch.setenv("FOX_FUSED_BACKWARD_MIN_LEN", "0")
+    monkeypatch.setenv("FOX_POISON_FUSED_WORKSPACE", "1")
+    out, grads = forward_backward(lambda *x: op(*x, starts, None, None, None, lengths),
+                                  (q, k, v, g), grad_out)
+    ref, ref_grads = forward_backward(lambda *x: rowwise_reference(*x, lengths, starts),
+                                      [x.double() for x in (q, k, v, g)], grad_out.double())
+    naive, naive_grads = forward_backward(
+        lambda *x: rowwise_reference(*x, lengths, starts, dtype=q.dtype), (q, k, v, g), grad_out)
+    problems = rule_violations(("out",) + GRAD_NAMES, [out] + grads, [ref] + ref_grads,
+                               [naive] + naive_grads, q.dtype)
+    assert not problems, "; ".join(problems)
+    assert torch.count_nonzero(grads[0][2, :120]) == 0
+    monkeypatch.setenv("FOX_FUSED_BACKWARD", "0")  # the fused kernel ran: dQ's sums in another order
+    _, two_kernels = forward_backward(lambda *x: op(*x, starts, None, None, None, lengths),
+                                      (q, k, v, g), grad_out)
+    assert not torch.equal(grads[0], two_kernels[0])
+
+
 def test_cache_seqlens_gradcheck_float64():
     q, k, v, g = make_inputs(2, 2, 9, 2, 1, 8, dtype=torch.float64, regime="mixed")
     lengths = index_tensor([5, 9], "cpu")

@@ -847,8 +847,11 @@ __global__ void __launch_bounds__(256) dq_from_accumulator(const BackwardParams 
     const int64_t i = r % p.seqlen_q, h = (r / p.seqlen_q) % p.num_heads, b = r / (p.seqlen_q * p.num_heads);
     const float* acc = ws.dq_accum + r * kDqRow;
     T* out = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
-    const bool no_keys = p.seq_start != nullptr && p.cu_seqlens == nullptr &&
-                         i + (p.seqlen_k - p.seqlen_q) < p.seq_start[b];
+    bool no_keys = false;
+    if (p.seq_start != nullptr && p.cu_seqlens == nullptr) {  // (a packed batch has no seq_start)
+      const SequenceView s = p.sequence(b);  // (with its cache_seqlens)
+      no_keys = s.query_position(i) < s.first_key;
+    }
     if (4 * lane < kHeadDim) {
       const float4 x = no_keys ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(acc + 4 * lane);
       using Mma = MmaTraits<T>;
