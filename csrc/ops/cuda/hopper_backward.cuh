@@ -10,13 +10,14 @@
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
 //     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
-//     Fused (kFusedDq, the five-product backward; the default for long sequences, api.cu): the
-//     same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T through shared
-//     memory), and stages it with the row sums of dS for a third warpgroup, whose producer warp
-//     loads the query tiles (TMA) and whose writer warp adds each staged tile to a float32
-//     accumulator by one bulk reduction, in turns (bitwise reproducible: write_dq_tiles) or in
-//     any order; dq_from_accumulator then scales and rounds it. The math warpgroups only wait
-//     for tiles and staging space, and get the third warpgroup's registers (setmaxnreg).
+//     Fused (kFusedDq, the five-product backward; the default from 2048 or 4096 queries,
+//     api.cu): the same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T
+//     through shared memory), and stages it with the row sums of dS for a third warpgroup, whose
+//     producer warp loads the query tiles (TMA) and whose writer warp adds each staged tile to a
+//     float32 accumulator by one bulk reduction, in turns (bitwise reproducible, the first turn
+//     storing: write_dq_tiles) or in any order; dq_from_accumulator then scales and rounds it.
+//     The math warpgroups only wait for tiles and staging space, and get the third warpgroup's
+//     registers (setmaxnreg).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
 //     S = Q K^T, dP = dO V^T, dQ += dS K, walking key tiles (kDqKeys) downwards; row sums of dS.
 //

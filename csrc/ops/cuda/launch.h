@@ -32,7 +32,7 @@ struct BackwardWorkspace {
   // Hopper kernels only: -(T + lse) per query in log2 units, T the gate suffix sum at its position
   // (gate_suffix_kernel in hopper_forward.cuh), (batch, num_heads, seqlen_q).
   float* query_bias = nullptr;
-  // Fused Hopper backward only (long sequences, api.cu): dQ and the row sums of dS accumulated in
+  // Fused Hopper backward only (api.cu: backward_form): dQ and the row sums of dS accumulated in
   // float32, rows of fused_dq_row(head_dim) floats laid out like lse; zeroed, or in turns stored by
   // the first addition to each row (fused_dq_zeroed_from).
   float* dq_accum = nullptr;
