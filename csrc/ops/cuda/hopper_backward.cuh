@@ -85,8 +85,8 @@ struct DkdvSmem {
   static constexpr size_t kBytesDst = kFusedDq ? 2 * kBlockN * kQueries : 0;
   static constexpr size_t kBytesDqStage = sizeof(float) * kQueries * kDqAccRow<kHeadDim>;
   static constexpr size_t kBytesRowSums = sizeof(float) * kWarps * kQueries;
-  // The writer's barriers (full[2], empty[2]) and the two staging tiles' slots (accumulator row,
-  // turn: 16 bytes each).
+  // The writer's barriers (full[2], empty[2]) and the two staging tiles' slots (DqWriterSlot: 16
+  // bytes each).
   static constexpr size_t kBytesWriter = 4 * sizeof(uint64_t) + 2 * 16;
   static constexpr size_t kBytesFused = kFusedDq ? kBytesDst + 2 * kBytesDqStage + kBytesRowSums + kBytesWriter : 0;
   static constexpr size_t kBytes = kBytesTiles + kBytesStats + kBytesHandoff + kBytesFused;
@@ -272,6 +272,22 @@ __device__ __forceinline__ int column_sums_scattered(float (&v)[K]) {
   return first;
 }
 
+// The per-query statistics of a query tile (first query i0, nq inside the sequence) into its stage
+// `sn`: T at the queries' positions (T_q: T from the first query's position), -(T + lse) and
+// delta, zeros past the end; by the block's first kLoaders threads (or a producer warp: 32).
+template <int kQueries, int kLoaders>
+__device__ __forceinline__ void load_query_stats(float* sn, const float* T_q, const float* qbias, const float* delta,
+                                                 int64_t i0, int nq) {
+#pragma unroll
+  for (int c = threadIdx.x % kLoaders; c < kQueries; c += kLoaders) {
+    const bool ok = c < nq;
+    const int64_t i = ok ? i0 + c : 0;
+    cp_async_4(sn + c, T_q + i, ok);
+    cp_async_4(sn + kQueries + c, qbias + i, ok);
+    cp_async_4(sn + 2 * kQueries + c, delta + i, ok);
+  }
+}
+
 // The fused dK/dV kernel's producer warp: the query tiles of the block's walk (every head of the
 // kv head's group, from qt_begin up; no pruning in the fused form, so every walk runs to the end),
 // into the stage of tile `it` once the math threads have released it: Q and dO by TMA (lane 0's
@@ -304,29 +320,14 @@ __device__ __forceinline__ void produce_query_tiles(const BackwardParams& p, con
       const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
       T* Qn = QdO + 2 * st * kQ;
       if (nq == kQueries) {
-        if (lane == 0) {
-          mbarrier_arrive_expect_tx(handoff.full + st, 2 * kQ * sizeof(T));
-#pragma unroll
-          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-            tma_load(Qn + cb * kQueries * 64, &maps.first, 64 * cb, s.row_q + i0, h, s.batch_index, handoff.full + st);
-            tma_load(Qn + kQ + cb * kQueries * 64, &maps.second, 64 * cb, s.row_q + i0, h, s.batch_index,
-                     handoff.full + st);
-          }
-        }
+        handoff.copy<kQueries, kHeadDim>(Qn, Qn + kQ, maps, it, s.row_q + i0, h, s.batch_index, lane == 0);
       } else {
         if (lane == 0) mbarrier_arrive(handoff.full + st);
         load_tile<T, kQueries, kHeadDim, 32>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
         load_tile<T, kQueries, kHeadDim, 32>(Qn + kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
       }
-      float* sn = stats + 3 * st * kQueries;
-#pragma unroll
-      for (int c = lane; c < kQueries; c += 32) {
-        const bool ok = c < nq;
-        const int64_t i = ok ? i0 + c : 0;
-        cp_async_4(sn + c, T_ + i + offset, ok);
-        cp_async_4(sn + kQueries + c, ws.query_bias + stat + i, ok);
-        cp_async_4(sn + 2 * kQueries + c, ws.delta + stat + i, ok);
-      }
+      load_query_stats<kQueries, 32>(stats + 3 * st * kQueries, T_ + offset, ws.query_bias + stat,
+                                     ws.delta + stat, i0, nq);
       cp_async_arrive(handoff.full + st);
     }
   }
@@ -450,15 +451,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         load_tile<T, kQueries, kHeadDim>(Qn, hp.q + i0 * hp.q_row, hp.q_row, nq);
         load_tile<T, kQueries, kHeadDim>(Qn + Smem::kQ, dout + i0 * p.do_row_stride, p.do_row_stride, nq);
       }
-      float* sn = stats + 3 * st * kQueries;
-      if (threadIdx.x < kQueries) {
-        const int c = threadIdx.x;
-        const bool ok = c < nq;
-        const int64_t i = ok ? i0 + c : 0;
-        cp_async_4(sn + c, T_ + i + offset, ok);
-        cp_async_4(sn + kQueries + c, qbias_h + i, ok);
-        cp_async_4(sn + 2 * kQueries + c, delta_h + i, ok);
-      }
+      load_query_stats<kQueries, kThreads>(stats + 3 * st * kQueries, T_ + offset, qbias_h, delta_h, i0, nq);
       handoff.loaded(tile_it, by_tma);
     };
 

@@ -326,12 +326,13 @@ struct TileHandoff {
     fence_async_proxy();  // the initialised barriers, for the copy engine
   }
   // Rows [row, row + kRows) of (head, batch) of both maps into a and b (tiles of kRows x kHeadDim
-  // in the layout of load_tile), stage of tile `it`, by TMA. Called by every thread (thread 0
-  // issues) once the stage is free, before loaded(it, true).
+  // in the layout of load_tile), stage of tile `it`, by TMA. Called by every thread (`issuer`,
+  // thread 0 unless a producer warp names its lane, issues) once the stage is free, before
+  // loaded(it, true).
   template <int kRows, int kHeadDim, typename T>
   __device__ __forceinline__ void copy(T* a, T* b, const TileMaps& maps, int64_t it, int64_t row, int64_t head,
-                                       int64_t batch) const {
-    if (threadIdx.x != 0) return;
+                                       int64_t batch, bool issuer = threadIdx.x == 0) const {
+    if (!issuer) return;
     uint64_t* bar = full + (it & 1);
     mbarrier_arrive_expect_tx(bar, 2 * kRows * kHeadDim * sizeof(T));
 #pragma unroll
