@@ -250,6 +250,9 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
 }
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar, int count) {  // count arrivals at once
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
 // Arrives on bar once every cp.async this thread has issued so far has landed (counts as one of
 // the barrier's expected arrivals).
 // (The copies are also committed as a group, so that cp_async_wait<0> still covers them.)
@@ -774,11 +777,7 @@ struct KeyTilePipeline {
   __device__ __forceinline__ void release(int64_t it) const { mbarrier_arrive(empty + it % kStages); }
   // Thread 0, once the math threads' copies of tile 0 have landed (and a barrier among them):
   // full[0]'s first phase completes as the producer's tiles complete theirs.
-  __device__ __forceinline__ void tile0_loaded() const {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(full)),
-                 "r"(kProducerArrivals)
-                 : "memory");
-  }
+  __device__ __forceinline__ void tile0_loaded() const { mbarrier_arrive(full, kProducerArrivals); }
   // The producer's first warp: tiles 1 .. n_tiles - 1 (key tile kt_top - it, all full and inside
   // the sequence) of K and V by TMA, their T (T_: the sequence's) by cp.async. C of tile 0 is
   // `carry`; the walk stops after a tile whose top key's bias is under prune_log2.
