@@ -10,7 +10,7 @@
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
 //     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
-//     Fused (kFusedDq, the five-product backward; the default from 2048 or 4096 queries,
+//     Fused (kFusedDq, the five-product backward; the default from 1024 or 2048 queries,
 //     api.cu): the same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T
 //     through shared memory), and stages it with the row sums of dS for a third warpgroup, whose
 //     producer warp loads the query tiles (TMA) and whose writer warp adds each staged tile to a
