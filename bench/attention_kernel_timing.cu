@@ -75,7 +75,7 @@ void run(int N, int reps, bool fused, bool in_turns, int heads) {
   float *g, *lse, *suffix, *delta, *dc, *rowsum, *query_bias, *dg;
   check(cudaMalloc(&g, ns * 4), "log f");
   fill_gates<<<1024, 256>>>(g, ns, H, 7);
-  for (float** x : {&lse, &suffix, &delta, &dc, &rowsum, &query_bias, &dg}) check(cudaMalloc(x, ns * 4), "workspace");
+  for (float** x : {&lse, &suffix, &delta, &dc, &rowsum, &query_bias, &dg}) check(cudaMalloc(x, (ns + 1) * 4), "workspace");
 
   BackwardParams p;
   p.q = t[0];

@@ -362,8 +362,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
           if (hopper) {
             const int64_t max_len_k = idx.cu_seqlens.has_value() ? max_len_q : p.seqlen_k;
-            run_hopper_forward<T, kHeadDim>(p, gate_suffix().data_ptr<float>(), max_len_q, max_len_k,
-                                            stream);
+            auto workspace = at::empty({forward_workspace_words(p)}, f32);
+            run_hopper_forward<T, kHeadDim>(p, workspace.data_ptr<float>(), max_len_q, max_len_k, stream);
           } else {
             run_fast_forward<T, kHeadDim>(p, max_len_q, stream);
           }

@@ -109,18 +109,18 @@ struct TileOrder {
   int64_t row = 0, rank = 0;
 };
 constexpr int64_t kSectionBytes = 8 << 20;
-__device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles,
-                                                      int64_t row_bytes) {
+__device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes,
+                                                      int64_t b = blockIdx.x) {
   const int64_t per_section = max64(1, min64(rows, kSectionBytes / max64(row_bytes, 1)));
-  const int64_t b = blockIdx.x;
   const int64_t section = b / (per_section * num_tiles), first_row = section * per_section;
   const int64_t in_section = b - first_row * num_tiles;
   const int64_t width = min64(per_section, rows - first_row);  // the last section may be narrower
   return {first_row + in_section % width, in_section / width};
 }
 
-// The query tile a block owns (the longest causal rows first, block_tile_order). Split-KV
-// decoding (first_tile_only) enumerates (row, key chunk) instead, chunk fastest.
+// The query tile a block owns (the longest causal rows first, block_tile_order), or item `index`
+// of that order (query_tile_at: a persistent kernel's blocks walk several). Split-KV decoding
+// (first_tile_only) enumerates (row, key chunk) instead, chunk fastest.
 // nq == 0: the tile lies past the end of its sequence (a shorter one of a varlen batch).
 struct QueryTile {
   SequenceView s;
@@ -128,18 +128,7 @@ struct QueryTile {
   int nq = 0;             // queries in the tile
   int64_t a = 0, L = 0;   // positions of its first and last query
 };
-__device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, int64_t num_tiles,
-                                                      int block_m, bool first_tile_only = false) {
-  int64_t row, tile;
-  if (first_tile_only) {
-    row = blockIdx.x / num_tiles;
-    tile = 0;
-  } else {
-    const TileOrder o =
-        block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim);
-    row = o.row;
-    tile = num_tiles - 1 - o.rank;
-  }
+__device__ __forceinline__ QueryTile query_tile(const ForwardParams& p, int64_t row, int64_t tile, int block_m) {
   QueryTile t;
   t.h = row % p.num_heads;
   t.s = p.sequence(row / p.num_heads);
@@ -149,6 +138,16 @@ __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, in
   t.a = t.s.query_position(t.i0);
   t.L = t.a + t.nq - 1;
   return t;
+}
+__device__ __forceinline__ QueryTile query_tile_at(const ForwardParams& p, int64_t num_tiles, int block_m,
+                                                   int64_t index) {
+  const TileOrder o = block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim, index);
+  return query_tile(p, o.row, num_tiles - 1 - o.rank, block_m);
+}
+__device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, int64_t num_tiles, int block_m,
+                                                      bool first_tile_only = false) {
+  if (first_tile_only) return query_tile(p, blockIdx.x / num_tiles, 0, block_m);
+  return query_tile_at(p, num_tiles, block_m, blockIdx.x);
 }
 
 // The key tile a dK/dV block owns: the first key tiles (seen by the most queries) first, or with

@@ -3,15 +3,17 @@
 //
 // A block of two warpgroups owns 128 queries of one (sequence, head); each warpgroup owns 64 rows
 // and keeps S and O in registers (wgmma accumulators). Key tiles of 128 keys are walked from the
-// diagonal downwards, double-buffered in shared memory in the 128-byte-swizzled layout that wgmma
-// reads directly (the first tile by cp.async, the others by TMA where the layout allows it):
-// S = Q K^T with both operands in shared memory (K-major), O += P V with P from registers and V
-// read transposed (MN-major). Two kernels:
+// diagonal downwards, staged in shared memory in the 128-byte-swizzled layout that wgmma reads
+// directly (by TMA where the layout allows it, else by cp.async): S = Q K^T with both operands in
+// shared memory (K-major), O += P V with P from registers and V read transposed (MN-major). Two
+// kernels:
 // - forward_kernel (head dim 64, layouts TMA cannot take, split-KV decoding): every thread
 //   computes; the stages pass between the threads through TileHandoff, a block barrier per tile
 //   or mbarriers that let the two warpgroups drift apart.
 // - forward_kernel_ws (head dim 128 with TMA): FlashAttention-3's warp specialisation, a producer
-//   warpgroup and two math warpgroups that take turns at the tensor cores.
+//   warpgroup and two math warpgroups that take turns at the tensor cores; persistent (one block
+//   an SM walks one query tile after another, the next one's tiles and queries loaded under the
+//   current one).
 //
 // Gate bias without a serial walk: a pre-pass writes, per 128-key tile t, the tile-local suffix
 // sums T_t[j] = sum of g over (j, (t+1)*128] (fp32, at most 128 terms; stored times log2(e), the
@@ -376,13 +378,16 @@ struct TileHandoff {
 // T_t[j] (log2 units) for every key j of every (sequence, head): one block of kKeys threads per
 // key tile. `suffix` is laid out (batch, num_heads, seqlen_k) like the keys. With `query_bias`
 // (the backward), also -(T + lse) in log2 units for every query, laid out like lse: the dK/dV
-// kernel's per-query term (query i sits at key position i + len_k - len_q). (A template: one copy
-// per instantiation file is fine.)
+// kernel's per-query term (query i sits at key position i + len_k - len_q). With `tile_counter`
+// (the persistent forward's), block 0 zeroes it. (A template: one copy per instantiation file is
+// fine.)
 template <int kKeys>
 __global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams p, float* suffix,
-                                                            int64_t num_tiles, float* query_bias) {
+                                                            int64_t num_tiles, float* query_bias,
+                                                            int* tile_counter = nullptr) {
   __shared__ float warp_totals[kKeys / 32];
   const int64_t b = blockIdx.x;
+  if (tile_counter != nullptr && b == 0 && threadIdx.x == 0) *tile_counter = 0;
   const int64_t t = b % num_tiles;
   const int64_t h = (b / num_tiles) % p.num_heads;
   const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
@@ -417,10 +422,15 @@ struct GateAnchor {
   __device__ __forceinline__ GateAnchor(const float* T_, int64_t a, int64_t len_k)
       : ta(a / kBlockN), c_a(T_[a]),
         c_above(ta + 1 < (len_k + kBlockN - 1) / kBlockN ? c_a + T_[(ta + 1) * kBlockN] : 0.f) {}
+  __device__ __forceinline__ GateAnchor(int64_t a, float c_a_, float c_above_)  // (values loaded elsewhere)
+      : ta(a / kBlockN), c_a(c_a_), c_above(c_above_) {}
   __device__ __forceinline__ float carry_at(int64_t kt) const { return kt == ta ? c_a : c_above; }
   // R of the query at position pos (log2 domain; added to its lse at the end).
   __device__ __forceinline__ float query_term(const float* T_, int64_t pos) const {
-    return (pos / kBlockN == ta ? c_a : c_above) - T_[pos];
+    return query_term(pos, T_[pos]);
+  }
+  __device__ __forceinline__ float query_term(int64_t pos, float T_pos) const {
+    return (pos / kBlockN == ta ? c_a : c_above) - T_pos;
   }
 };
 
@@ -734,15 +744,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// The stages of a warp-specialised kernel's walk over key tiles (K, V and the keys' T), between
-// its producer warp and its math warpgroups: tile it sits in stage it % kStages. Tile 0 (and the
-// rows the block keeps) come by cp.async from the math threads, which zero-fill a partial tile;
-// the producer's first warp requests tiles 1, 2, ...: full[st] expects lane 0's transaction and
-// its 32 lanes' T copies, empty[st] every walking math thread's release. Only the producer waits
-// for a free stage.
+// The stages of a warp-specialised kernel's walks over key tiles (K, V and the keys' T), between
+// its producer warp and its math warpgroups: the ring runs on from one walk to the next, the tile
+// at ring position g in stage g % kStages. The producer's warp requests every tile: full[st]
+// expects lane 0's arrival (with the transaction of a tile by TMA) and its 32 lanes' cp.async
+// arrivals (T, and K and V of a partial tile, zero-filled past the end of the sequence), empty[st]
+// every math thread's release. Only the producer waits for a free stage.
 // Pruning: the producer takes the math threads' decision itself, on the same T values from global
 // memory (the same bits): it requests tile n only if tile n - 1 is not cut off, so a walk ends with
-// no copy in flight. C (carry) moves down at each 128-key boundary, as in the math threads.
+// no copy in flight and the math threads release the tile they stop at. C (carry) moves down at
+// each 128-key boundary, as in the math threads.
 template <typename T, int kKeys, int kHeadDim, int kStages>
 struct KeyTilePipeline {
   static constexpr int kTile = kKeys * kHeadDim;  // elements of one K or V tile
@@ -755,8 +766,7 @@ struct KeyTilePipeline {
   uint64_t* full;
   uint64_t* empty;
 
-  // Thread 0 initialises the barriers (walkers: the math threads that walk); a block barrier
-  // must follow.
+  // Thread 0 initialises the barriers (walkers: the math threads); a block barrier must follow.
   __device__ __forceinline__ KeyTilePipeline(T* kv, float* ts, uint64_t* barriers, int walkers)
       : KV(kv), Ts(ts), full(barriers), empty(barriers + kStages) {
     if (threadIdx.x != 0) return;
@@ -766,55 +776,66 @@ struct KeyTilePipeline {
     }
     fence_async_proxy();
   }
-  __device__ __forceinline__ int stage(int64_t it) const { return warp_uniform(static_cast<int>(it % kStages)); }
-  __device__ __forceinline__ const T* keys(int64_t it) const { return KV + 2 * stage(it) * kTile; }
-  __device__ __forceinline__ const T* values(int64_t it) const { return KV + (2 * stage(it) + 1) * kTile; }
-  __device__ __forceinline__ const float* suffix(int64_t it) const { return Ts + stage(it) * kKeys; }
+  // (Ring positions in 32 bits: a block walks far fewer than 2^31 tiles.)
+  __device__ __forceinline__ int stage(int g) const { return warp_uniform(g % kStages); }
+  __device__ __forceinline__ T* keys(int g) const { return KV + 2 * stage(g) * kTile; }
+  __device__ __forceinline__ const T* values(int g) const { return KV + (2 * stage(g) + 1) * kTile; }
+  __device__ __forceinline__ const float* suffix(int g) const { return Ts + stage(g) * kKeys; }
   // Math threads.
-  __device__ __forceinline__ void wait_loaded(int64_t it) const {
-    mbarrier_wait(full + it % kStages, static_cast<uint32_t>((it / kStages) & 1));
+  __device__ __forceinline__ void wait_loaded(int g) const {
+    mbarrier_wait(full + g % kStages, static_cast<uint32_t>((g / kStages) & 1));
   }
-  __device__ __forceinline__ void release(int64_t it) const { mbarrier_arrive(empty + it % kStages); }
-  // Thread 0, once the math threads' copies of tile 0 have landed (and a barrier among them):
-  // full[0]'s first phase completes as the producer's tiles complete theirs.
-  __device__ __forceinline__ void tile0_loaded() const { mbarrier_arrive(full, kProducerArrivals); }
-  // The producer's first warp: tiles 1 .. n_tiles - 1 (key tile kt_top - it, all full and inside
-  // the sequence) of K and V by TMA, their T (T_: the sequence's) by cp.async. C of tile 0 is
-  // `carry`; the walk stops after a tile whose top key's bias is under prune_log2.
-  __device__ __forceinline__ void produce(const TileMaps& maps, const float* T_, int64_t kt_top, int64_t n_tiles,
-                                          float carry, int64_t L, float prune_log2, int64_t row_k,
-                                          int64_t kv_head, int64_t batch) const {
+  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + g % kStages); }
+  // The producer's warp: tiles [it, end) of one walk, key tile kt_top - it at ring position g0 + it,
+  // K and V (kv_head's rows of hk, hv: the sequence's) by TMA where the tile is full, else by
+  // cp.async; T (T_: the sequence's) by cp.async. C of tile `it` is `carry`; the walk stops after a
+  // tile whose top key's bias is under prune_log2. Returns where it stopped (end, or the tile after
+  // the one cut off).
+  __device__ __forceinline__ int produce(const TileMaps& maps, const float* T_, const T* hk, const T* hv,
+                                         int64_t k_row, int64_t v_row, int g0, int it, int end, int64_t kt_top,
+                                         int64_t len_k, float carry, int64_t L, float prune_log2, int64_t row_k,
+                                         int64_t kv_head, int64_t batch) const {
     const int lane = threadIdx.x & 31;
-    for (int64_t it = 1; it < n_tiles; ++it) {
+    for (; it < end; ++it) {
       const int64_t j0 = (kt_top - it) * kKeys;
-      if (prune_log2 > -INFINITY) {  // do the math threads stop at tile it - 1?
+      if (it > 0 && prune_log2 > -INFINITY) {  // do the math threads stop at tile it - 1?
         const float* Tp = T_ + j0 + kKeys;  // T of tile it - 1 (inside the sequence)
         if (walk_stops_at<kKeys>(carry, Tp, j0 + kKeys, L, prune_log2)) break;
         if ((j0 + kKeys) % kBlockN == 0) carry -= Tp[0];
       }
-      const int st = static_cast<int>(it % kStages);
-      // Tile it - kStages released; then its phase of full[st] is done too: that wait returns at
+      const int g = g0 + it;
+      const int st = g % kStages;
+      // Tile g - kStages released; then its phase of full[st] is done too: that wait returns at
       // once, it lets compute-sanitizer's synccheck see that no arrival overtakes a phase.
-      if (it >= kStages) {
-        const uint32_t parity = static_cast<uint32_t>((it / kStages - 1) & 1);
+      if (g >= kStages) {
+        const uint32_t parity = static_cast<uint32_t>(g / kStages - 1) & 1;
         mbarrier_wait(empty + st, parity);
         mbarrier_wait(full + st, parity);
       }
       T* Kn = KV + 2 * st * kTile;
-      if (lane == 0) {
-        mbarrier_arrive_expect_tx(full + st, 2 * kTile * sizeof(T));
+      const int nk = static_cast<int>(min64(kKeys, len_k - j0));
+      if (nk == kKeys) {
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(full + st, 2 * kTile * sizeof(T));
 #pragma unroll
-        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-          tma_load(Kn + cb * kKeys * 64, &maps.first, 64 * cb, row_k + j0, kv_head, batch, full + st);
-          tma_load(Kn + kTile + cb * kKeys * 64, &maps.second, 64 * cb, row_k + j0, kv_head, batch, full + st);
+          for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+            tma_load(Kn + cb * kKeys * 64, &maps.first, 64 * cb, row_k + j0, kv_head, batch, full + st);
+            tma_load(Kn + kTile + cb * kKeys * 64, &maps.second, 64 * cb, row_k + j0, kv_head, batch, full + st);
+          }
         }
+      } else {  // the diagonal tile at the end of a sequence
+        load_tile<T, kKeys, kHeadDim, 32>(Kn, hk + j0 * k_row, k_row, nk);
+        load_tile<T, kKeys, kHeadDim, 32>(Kn + kTile, hv + j0 * v_row, v_row, nk);
+        if (lane == 0) mbarrier_arrive(full + st);
       }
 #pragma unroll
-      for (int c = 0; c < kKeys / 32; ++c)
-        cp_async_4(Ts + st * kKeys + 32 * c + lane, T_ + j0 + 32 * c + lane, true);
+      for (int c = 0; c < kKeys / 32; ++c) {
+        const int j = 32 * c + lane;
+        cp_async_4(Ts + st * kKeys + j, T_ + j0 + (j < nk ? j : 0), j < nk);
+      }
       cp_async_arrive(full + st);
     }
-    cp_async_wait<0>();
+    return it;
   }
 };
 
@@ -850,25 +871,55 @@ __device__ __forceinline__ void math_barrier() { asm volatile("bar.sync 3, 256;"
 // products do. Each math warpgroup issues S of tile it together with O += P V of tile it - 1,
 // passes the turn, computes the softmax of tile it while both products run, then waits for P V,
 // rescales O and packs the new P: K of tile it and V of tile it - 1 are read at once, hence three
-// stages. The producer's registers go to the math warpgroups (setmaxnreg: 240 each). A warpgroup
-// whose rows all lie past the last query does not walk.
+// stages. The producer's registers go to the math warpgroups (setmaxnreg: 240 each).
+// Persistent: one block an SM walks query tiles one after another, in block_query_tile's order;
+// the first gridDim.x by block index, the others from a tile counter (zeroed by the gate-suffix
+// pre-pass), which the producer reads when it has requested the last tile of a walk. The producer
+// requests the next walk's first tiles as stages free up and its queries once both math
+// warpgroups have issued their last S (WalkHandoff), so that a walk starts on loaded tiles; the
+// output leaves through shared memory in the last tile's K, released after the store.
 constexpr int kWsThreads = kThreads + 128;
 constexpr int kWsStages = 3;
 template <typename T, int kHeadDim>
 using ForwardPipeline = KeyTilePipeline<T, kBlockN, kHeadDim, kWsStages>;
+
+// The walks between the producer and the math threads: q_full completes when the producer has
+// written the walk's item (its index in block_query_tile's order; -1: no more), the item decoded
+// and its gate anchor (GateAnchor's two C values) and its queries have landed (its lane 0's
+// arrival and its 32 lanes' cp.async arrivals), q_empty when every math thread is done with the
+// queries.
+struct WalkHandoff {
+  static constexpr int kArrivals = 1 + 32;
+  static constexpr size_t kBytes = 4 * sizeof(uint64_t) + sizeof(QueryTile);
+  uint64_t* q_full;
+  uint64_t* q_empty;
+  int64_t* item;
+  float* anchor;
+  QueryTile* tile;  // the item decoded (by the math threads, its chain of divisions took ~1400 cycles)
+  __device__ __forceinline__ explicit WalkHandoff(uint64_t* base)
+      : q_full(base), q_empty(base + 1), item(reinterpret_cast<int64_t*>(base + 2)),
+        anchor(reinterpret_cast<float*>(base + 3)), tile(reinterpret_cast<QueryTile*>(base + 4)) {}
+  __device__ __forceinline__ void init(int walkers) const {  // thread 0; a block barrier follows
+    mbarrier_init(q_full, kArrivals);
+    mbarrier_init(q_empty, walkers);
+  }
+};
+
 template <typename T, int kHeadDim>
 struct ForwardWsSmem {
   using Pipeline = ForwardPipeline<T, kHeadDim>;
   static constexpr int kQ = kBlockM * kHeadDim;  // elements
   static constexpr size_t kBytesQ = sizeof(T) * kQ;
-  static constexpr size_t kBytes = kBytesQ + Pipeline::kBytesTiles + Pipeline::kBytesT + Pipeline::kBytesBarriers;
+  static constexpr size_t kBytes =
+      kBytesQ + Pipeline::kBytesTiles + Pipeline::kBytesT + Pipeline::kBytesBarriers + WalkHandoff::kBytes;
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kWsThreads, 1)
     forward_kernel_ws(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles,
-                      const __grid_constant__ TileMaps maps) {
+                      int* __restrict__ tile_counter, const __grid_constant__ TileMaps maps,
+                      const __grid_constant__ TileMap query_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = ForwardWsSmem<T, kHeadDim>;
   using GmmaS = typename Gmma<T, kBlockN>::SS;
@@ -877,144 +928,197 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   unsigned char* base = smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024);
   T* Qs = reinterpret_cast<T*>(base);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
-
-  const QueryTile qt = block_query_tile(p, num_tiles, kBlockM);
-  if (qt.nq == 0) return;
-  const SequenceView s = qt.s;
-  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
-  const int nq = qt.nq;
-  const int n_live = nq > 64 ? 2 : 1;  // math warpgroups with rows: they walk
-  const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
-  const int64_t kt_top = L / kBlockN, kt_lo = s.first_key / kBlockN;
-  const int64_t n_tiles = kt_top - kt_lo + 1;
+  const int64_t items = num_tiles * p.batch * p.num_heads;
   const float prune_log2 = p.prune_threshold * kLog2e;
-  const GateAnchor anchor(T_, a, s.len_k);
-  float carry = anchor.carry_at(kt_top);  // C of the tile walked
   unsigned char* tiles = base + Smem::kBytesQ;
-  const ForwardPipeline<T, kHeadDim> pipe(
-      reinterpret_cast<T*>(tiles), reinterpret_cast<float*>(tiles + Smem::Pipeline::kBytesTiles),
-      reinterpret_cast<uint64_t*>(tiles + Smem::Pipeline::kBytesTiles + Smem::Pipeline::kBytesT), 128 * n_live);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(tiles + Smem::Pipeline::kBytesTiles + Smem::Pipeline::kBytesT);
+  const ForwardPipeline<T, kHeadDim> pipe(reinterpret_cast<T*>(tiles),
+                                          reinterpret_cast<float*>(tiles + Smem::Pipeline::kBytesTiles), barriers,
+                                          kThreads);
+  const WalkHandoff walk(barriers + 2 * kWsStages);
+  if (threadIdx.x == 0) walk.init(kThreads);
   __syncthreads();
 
   if (wg == kWarpGroups) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (warp == 4 * kWarpGroups)
-      pipe.produce(maps, T_, kt_top, n_tiles, carry, L, prune_log2, s.row_k, h / p.heads_per_kv_head(),
-                   s.batch_index);
+    if (warp != 4 * kWarpGroups) return;
+    int g = 0;  // ring position of the walk's first tile
+    for (int64_t w = 0;; ++w) {
+      int64_t item = blockIdx.x;
+      if (w > 0) {
+        int taken = 0;
+        if (lane == 0) taken = atomicAdd(tile_counter, 1);
+        item = gridDim.x + __shfl_sync(0xffffffffu, taken, 0);
+      }
+      const QueryTile qt = item < items ? query_tile_at(p, num_tiles, kBlockM, item) : QueryTile{};
+      // The walk: its first tile (whose stage frees up before the queries do), then, once the math
+      // threads are done with the last walk's queries, its item and queries, then its other tiles.
+      const SequenceView s = qt.s;
+      const HeadPointers<T> hp = head_pointers<T>(p, s, qt.h);
+      const float* T_ = suffix + (s.batch_index * p.num_heads + qt.h) * p.seqlen_k + s.row_k;
+      const int64_t kt_top = qt.L / kBlockN, n_tiles = kt_top - s.first_key / kBlockN + 1;
+      const GateAnchor anchor = qt.nq > 0 ? GateAnchor(T_, qt.a, s.len_k) : GateAnchor(0, 0.f, 0.f);
+      const float carry = anchor.carry_at(kt_top);
+      const int64_t kv_head = qt.h / p.heads_per_kv_head();
+      if (qt.nq > 0)
+        pipe.produce(maps, T_, hp.k, hp.v, hp.k_row, hp.v_row, g, 0, 1, kt_top, s.len_k, carry, qt.L, prune_log2,
+                     s.row_k, kv_head, s.batch_index);
+      if (w > 0) mbarrier_wait(walk.q_empty, static_cast<uint32_t>((w - 1) & 1));
+      // A full query tile by TMA from lane 0 (one warp's copies of 32 KB took ~3 us to issue),
+      // else by the warp's cp.async.
+      const bool queries_by_tma = query_map.enabled && qt.nq == kBlockM;
+      if (lane == 0) {
+        *walk.item = item < items ? item : -1;
+        *walk.tile = qt;
+        walk.anchor[0] = anchor.c_a;
+        walk.anchor[1] = anchor.c_above;
+        if (queries_by_tma) {
+          mbarrier_arrive_expect_tx(walk.q_full, kBlockM * kHeadDim * sizeof(T));
+#pragma unroll
+          for (int cb = 0; cb < kHeadDim / 64; ++cb)
+            tma_load(Qs + cb * kBlockM * 64, &query_map.map, 64 * cb, s.row_q + qt.i0, qt.h, s.batch_index,
+                     walk.q_full);
+        } else {
+          mbarrier_arrive(walk.q_full, qt.nq > 0 ? 1 : WalkHandoff::kArrivals);
+        }
+      }
+      if (item >= items) break;
+      if (qt.nq == 0) continue;  // past the end of its sequence
+      if (!queries_by_tma) load_tile<T, kBlockM, kHeadDim, 32>(Qs, hp.q + qt.i0 * hp.q_row, hp.q_row, qt.nq);
+      cp_async_arrive(walk.q_full);
+      g += pipe.produce(maps, T_, hp.k, hp.v, hp.k_row, hp.v_row, g, 1, static_cast<int>(n_tiles), kt_top, s.len_k,
+                        carry, qt.L, prune_log2, s.row_k, kv_head, s.batch_index);
+    }
+    cp_async_wait<0>();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);
-  const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const MathTurns turns{wg, n_live};
-
-  load_tile<T, kBlockM, kHeadDim>(Qs, hp.q + i0 * hp.q_row, hp.q_row, nq);
-  {
-    const int64_t j0 = kt_top * kBlockN;
-    const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
-    load_tile<T, kBlockN, kHeadDim>(pipe.KV, hp.k + j0 * hp.k_row, hp.k_row, nk);
-    load_tile<T, kBlockN, kHeadDim>(pipe.KV + pipe.kTile, hp.v + j0 * hp.v_row, hp.v_row, nk);
-    if (threadIdx.x < kBlockN) {
-      const int64_t j = j0 + threadIdx.x;
-      cp_async_4(pipe.Ts + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
-    }
-    cp_async_commit();
-  }
-
+  const MathTurns turns{wg, 2};
   auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
-  float rq[2];
-#pragma unroll
-  for (int hi = 0; hi < 2; ++hi) rq[hi] = anchor.query_term(T_, min64(a + row_of(hi), L));
-
   float o[kHeadDim / 2];
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   float sc[kBlockN / 2];
   uint32_t p_frag[kBlockN / 16][4];
 
-  cp_async_wait<0>();
-  fence_async_proxy();
-  math_barrier();
-  if (threadIdx.x == 0) pipe.tile0_loaded();
-
-  // Whether the largest bias of tile it (at its top key) is under the pruning threshold: the walk
-  // stops there (the producer decides alike).
-  auto pruned = [&](int64_t it) {
-    return walk_stops_at<kBlockN>(carry, pipe.suffix(it), (kt_top - it) * kBlockN, L, prune_log2);
-  };
-  // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
-  // rescaled later, once the P V in flight has landed.
-  auto softmax = [&](int64_t it, float (&correction)[2], float (&tile_sum)[2]) {
-    const int64_t j0 = (kt_top - it) * kBlockN;
-    const float* Tk = pipe.suffix(it);
-    const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
-    softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
-                          s.first_key - j0, row_max, correction, tile_sum);
-    carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
-  };
-
-  if (wg < n_live && !pruned(0)) {
-    // Tile 0: S alone.
-    turns.wait(true);
-    cute::warpgroup_arrive();
-    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(0), sc);
-    cute::warpgroup_commit_batch();
-    turns.pass(false);
-    cute::warpgroup_wait<0>();
-    fence_registers(sc);
-    {
-      float correction[2], tile_sum[2];
-      softmax(0, correction, tile_sum);
-      rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+  int g = 0;  // ring position of the walk's first tile
+  for (int64_t w = 0;; ++w) {
+    mbarrier_wait(walk.q_full, static_cast<uint32_t>(w & 1));
+    if (warp_uniform(static_cast<int>(*walk.item < 0))) break;
+    const QueryTile qt = *walk.tile;
+    const int nq = warp_uniform(qt.nq);
+    if (nq == 0) {
+      mbarrier_arrive(walk.q_empty);
+      continue;
     }
-    int64_t it = 1;
-    for (; it < n_tiles; ++it) {
-      pipe.wait_loaded(it);
-      if (pruned(it)) break;
+    const SequenceView s = qt.s;
+    const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+    const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
+    // (warp_uniform: the loop's ring positions and the tiles' descriptors stay in uniform registers)
+    const int64_t kt_top = L / kBlockN, kt_lo = s.first_key / kBlockN;
+    const int n_tiles = warp_uniform(static_cast<int>(kt_top - kt_lo + 1));
+    g = warp_uniform(g);
+    const GateAnchor anchor(a, walk.anchor[0], walk.anchor[1]);
+    float carry = anchor.carry_at(kt_top);  // C of the tile walked
+    float rq[2];  // R of this thread's two query rows, log2 domain (added to the lse at the end)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) rq[hi] = anchor.query_term(T_, min64(a + row_of(hi), L));
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+    // Whether the largest bias of tile it (at its top key) is under the pruning threshold: the walk
+    // stops there (the producer decides alike).
+    auto pruned = [&](int it) {
+      return walk_stops_at<kBlockN>(carry, pipe.suffix(g + it), (kt_top - it) * kBlockN, L, prune_log2);
+    };
+    // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
+    // rescaled later, once the P V in flight has landed.
+    auto softmax = [&](int it, float (&correction)[2], float (&tile_sum)[2]) {
+      const int64_t j0 = (kt_top - it) * kBlockN;
+      const float* Tk = pipe.suffix(g + it);
+      const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+      softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
+                            s.first_key - j0, row_max, correction, tile_sum);
+      carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
+    };
+    // The queries may be overwritten once both warpgroups have read their last S.
+    auto release_queries = [&] {
+      fence_async_proxy();  // the products' reads before the producer's copies of the next queries
+      mbarrier_arrive(walk.q_empty);
+    };
+
+    pipe.wait_loaded(g);
+    fence_async_proxy();  // (Q, and a partial tile 0, came by cp.async)
+    int it = 1;
+    const bool walked = !pruned(0);
+    if (walked) {
+      // Tile 0: S alone.
+      turns.wait(true);
+      cute::warpgroup_arrive();
+      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(g), sc);
+      cute::warpgroup_commit_batch();
+      turns.pass(false);
+      cute::warpgroup_wait<0>();
+      fence_registers(sc);
+      {
+        float correction[2], tile_sum[2];
+        softmax(0, correction, tile_sum);
+        rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+      }
+      for (; it < n_tiles; ++it) {
+        pipe.wait_loaded(g + it);
+        if (pruned(it)) break;
+        turns.wait(false);
+        fence_registers(o);
+        cute::warpgroup_arrive();
+        gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(g + it), sc);
+        cute::warpgroup_commit_batch();
+        gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(g + it - 1), o);
+        cute::warpgroup_commit_batch();
+        turns.pass(false);
+        cute::warpgroup_wait<1>();
+        fence_registers(sc);
+        float correction[2], tile_sum[2];
+        softmax(it, correction, tile_sum);
+        cute::warpgroup_wait<0>();
+        fence_registers(o);
+        pipe.release(g + it - 1);
+        rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+      }
+      if (it < n_tiles) pipe.release(g + it);  // requested, not walked (cut off)
+      release_queries();
+      // P V of the last tile walked.
       turns.wait(false);
       fence_registers(o);
       cute::warpgroup_arrive();
-      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(it), sc);
+      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(g + it - 1), o);
       cute::warpgroup_commit_batch();
-      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(it - 1), o);
-      cute::warpgroup_commit_batch();
-      turns.pass(false);
-      cute::warpgroup_wait<1>();
-      fence_registers(sc);
-      float correction[2], tile_sum[2];
-      softmax(it, correction, tile_sum);
+      turns.pass(true);
       cute::warpgroup_wait<0>();
       fence_registers(o);
-      pipe.release(it - 1);
-      rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+    } else {
+      release_queries();
     }
-    // P V of the last tile computed.
-    turns.wait(false);
-    fence_registers(o);
-    cute::warpgroup_arrive();
-    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(it - 1), o);
-    cute::warpgroup_commit_batch();
-    turns.pass(true);
-    cute::warpgroup_wait<0>();
-    fence_registers(o);
-    pipe.release(it - 1);
-  }
+    const int last = g + it - 1;  // the last tile walked (or tile 0): its K stages the output
+    g += !walked ? 1 : it == n_tiles ? n_tiles : it + 1;  // the tiles the producer requested
 
-  float inv[2];
-  finish_row_sums(row_sum, inv);
+    float inv[2];
+    finish_row_sums(row_sum, inv);
 #pragma unroll
-  for (int hi = 0; hi < 2; ++hi)
-    if (row_of(hi) < nq && quad == 0)
-      static_cast<float*>(p.lse)[row_stat_offset(p, s, h) + i0 + row_of(hi)] =
-          row_lse2(row_sum[hi], row_max[hi], rq[hi]) * kLn2;
-  math_barrier();
-  T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + (s.row_q + i0) * p.o_row_stride +
-           h * p.o_head_stride;
-  store_rows_staged<T, kBlockM, kHeadDim>(Qs, o, inv, out, p.o_row_stride, nq);
+    for (int hi = 0; hi < 2; ++hi)
+      if (row_of(hi) < nq && quad == 0)
+        static_cast<float*>(p.lse)[row_stat_offset(p, s, h) + i0 + row_of(hi)] =
+            row_lse2(row_sum[hi], row_max[hi], rq[hi]) * kLn2;
+    math_barrier();  // both warpgroups' products are done with the last tile's K
+    T* out = static_cast<T*>(p.out) + s.batch_index * p.o_batch_stride + (s.row_q + i0) * p.o_row_stride +
+             h * p.o_head_stride;
+    store_rows_staged<T, kBlockM, kHeadDim>(pipe.keys(last), o, inv, out, p.o_row_stride, nq);
+    fence_async_proxy();  // these accesses before the copies that refill the stage
+    pipe.release(last);
+  }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
@@ -1023,13 +1127,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 namespace fox::cuda {
 
 template <typename T, int kHeadDim>
-void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+void run_hopper_forward(const ForwardParams& p, float* workspace, int64_t max_len_q,
                         int64_t max_len_k, cudaStream_t stream) {
   using namespace hopper;
+  float* gate_suffix = workspace;
+  int* tile_counter = reinterpret_cast<int*>(workspace + forward_tile_counter_offset(p));
   const int64_t key_tiles = (max_len_k + kBlockN - 1) / kBlockN;
   if (key_tiles * p.num_heads * p.batch == 0) return;
   gate_suffix_kernel<kBlockN><<<static_cast<unsigned>(key_tiles * p.num_heads * p.batch), kBlockN, 0, stream>>>(
-      p, gate_suffix, key_tiles, nullptr);
+      p, gate_suffix, key_tiles, nullptr, tile_counter);
   const int64_t tiles = (max_len_q + kBlockM - 1) / kBlockM;
   const int64_t blocks = tiles * p.num_heads * p.batch;
   if (blocks == 0) return;
@@ -1039,7 +1145,13 @@ void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_
       auto kernel = forward_kernel_ws<T, kHeadDim>;
       constexpr size_t smem = ForwardWsSmem<T, kHeadDim>::kAllocBytes;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      kernel<<<static_cast<unsigned>(blocks), kWsThreads, smem, stream>>>(p, gate_suffix, tiles, maps);
+      int device = 0, sms = 0;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      const int64_t grid = min64(blocks, max64(sms, 1));  // persistent: one block an SM
+      const TileMap query_map = make_query_map(p, std::is_same_v<T, __nv_bfloat16>, kBlockM);
+      kernel<<<static_cast<unsigned>(grid), kWsThreads, smem, stream>>>(p, gate_suffix, tiles, tile_counter, maps,
+                                                                        query_map);
       return;
     }
   }

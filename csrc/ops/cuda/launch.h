@@ -78,10 +78,16 @@ void run_fast_split_kv_forward(const ForwardParams& p, const SplitKVParams& spli
 
 // Hopper kernels (wgmma, sm_90a) for head_dim 64 and 128, fp16/bf16. Usable where the device is
 // a Hopper GPU and the build carries sm_90a code for it. `gate_suffix` is a float32 workspace laid
-// out like the keys' gates, (batch, num_heads, seqlen_k).
+// out like the keys' gates, (batch, num_heads, seqlen_k); the forward's `workspace` is that and
+// one word more, the persistent forward's tile counter (forward_workspace_words).
 bool hopper_kernels_available();
+// (A packed batch, cu_seqlens, has one row of gates per head: batch_index is 0.)
+inline int64_t forward_tile_counter_offset(const ForwardParams& p) {
+  return (p.cu_seqlens != nullptr ? 1 : p.batch) * p.num_heads * p.seqlen_k;
+}
+inline int64_t forward_workspace_words(const ForwardParams& p) { return forward_tile_counter_offset(p) + 1; }
 template <typename T, int kHeadDim>
-void run_hopper_forward(const ForwardParams& p, float* gate_suffix, int64_t max_len_q,
+void run_hopper_forward(const ForwardParams& p, float* workspace, int64_t max_len_q,
                         int64_t max_len_k, cudaStream_t stream);
 template <typename T, int kHeadDim>
 void run_hopper_split_kv_forward(const ForwardParams& p, const SplitKVParams& split,

@@ -52,12 +52,15 @@ bool encode(CUtensorMap* map, const Layout& t, int64_t head_dim, bool bf16, int 
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// FOX_DISABLE_TMA=1: the cp.async path, to compare the two in one process (read at each call).
+bool tma_disabled() {
+  const char* off = std::getenv("FOX_DISABLE_TMA");
+  return off != nullptr && off[0] == '1';
+}
+
 TileMaps make_maps(const Layout& a, const Layout& b, int64_t head_dim, bool bf16, int box_rows) {
   TileMaps maps;
-  // FOX_DISABLE_TMA=1: the cp.async path, to compare the two in one process (read at each call).
-  const char* off = std::getenv("FOX_DISABLE_TMA");
-  const bool disabled = off != nullptr && off[0] == '1';
-  maps.enabled = !disabled && encode(&maps.first, a, head_dim, bf16, box_rows) &&
+  maps.enabled = !tma_disabled() && encode(&maps.first, a, head_dim, bf16, box_rows) &&
                  encode(&maps.second, b, head_dim, bf16, box_rows);
   return maps;
 }
@@ -69,6 +72,15 @@ TileMaps make_key_value_maps(const ForwardParams& p, bool bf16, int box_rows) {
   return make_maps({p.k, p.seqlen_k, p.num_kv_heads, batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride},
                    {p.v, p.seqlen_k, p.num_kv_heads, batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride},
                    p.head_dim, bf16, box_rows);
+}
+
+TileMap make_query_map(const ForwardParams& p, bool bf16, int box_rows) {
+  const int64_t batch = p.cu_seqlens != nullptr ? 1 : p.batch;
+  TileMap q;
+  q.enabled = !tma_disabled() &&
+              encode(&q.map, {p.q, p.seqlen_q, p.num_heads, batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride},
+                     p.head_dim, bf16, box_rows);
+  return q;
 }
 
 TileMaps make_query_grad_maps(const BackwardParams& p, bool bf16, int box_rows) {

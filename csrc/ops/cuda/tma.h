@@ -22,8 +22,16 @@ struct TileMaps {
   int enabled = 0;
 };
 
+// One tensor (Q in the forward) as such a map.
+struct TileMap {
+  CUtensorMap map;
+  int enabled = 0;
+};
+
 // K and V (2-byte elements: bf16 when `bf16`, else fp16).
 TileMaps make_key_value_maps(const ForwardParams& p, bool bf16, int box_rows);
+// Q.
+TileMap make_query_map(const ForwardParams& p, bool bf16, int box_rows);
 // Q and dO.
 TileMaps make_query_grad_maps(const BackwardParams& p, bool bf16, int box_rows);
 
