@@ -70,6 +70,10 @@ constexpr int kDqMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_DQ_MIN_BLOCKS_64 : 1;
 template <int kHeadDim>
 constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 
+#ifndef FOX_HOPPER_FUSED_STAGED_STORE
+#define FOX_HOPPER_FUSED_STAGED_STORE 1
+#endif
+
 template <int kHeadDim, bool kFusedDq = false>
 struct DkdvSmem {
   static constexpr int kQueries = kDkdvQueries<kHeadDim>;
@@ -113,15 +117,18 @@ struct DqSmem {
   static constexpr size_t kAllocBytes = kBytes + 1024;
 };
 
-// Gradient rows to global memory: at head dim 64 through shared memory (store_rows_staged, after a
-// block barrier; `stage` is a tile whose rows of this warpgroup nothing reads any more), at 128
-// straight from the accumulators. Measured per kernel (H100, ncu): staged, dK/dV -4.3% and dQ
-// -2.2% at D=64 N=2k (-1.1% / -0.7% at 16k); at D=128, dK/dV -4.8% at N=2k but +2.5% at 16k,
-// dQ +1.7% (the staging code changes the register allocation of their loops at the 255 cap).
-template <typename T, int kRows, int kHeadDim>
+// Gradient rows to global memory: staged (kStaged) through shared memory (store_rows_staged, after
+// a block barrier; `stage` is a tile whose rows of this warpgroup nothing reads any more), else
+// straight from the accumulators. Staged by default at head dim 64. Measured per kernel (H100,
+// ncu): staged, dK/dV -4.3% and dQ -2.2% at D=64 N=2k (-1.1% / -0.7% at 16k); at D=128, dK/dV
+// -4.8% at N=2k but +2.5% at 16k, dQ +1.7% (the staging code changes the register allocation of
+// their loops at the 255 cap). The fused backward stages at 128 too (its math threads have 240
+// registers after setmaxnreg; its end took 7700 cycles a block unstaged, 2400 at D=64 staged):
+// -5% at N=2k, -1.6% at 16k (FOX_HOPPER_FUSED_STAGED_STORE=0 builds the unstaged form).
+template <typename T, int kRows, int kHeadDim, bool kStaged = (kHeadDim <= 64)>
 __device__ __forceinline__ void store_accumulator(T* stage, T* base, int64_t row_stride, int row0,
                                                   int nrows, const float (&acc)[kHeadDim / 2], float scale) {
-  if constexpr (kHeadDim <= 64) {
+  if constexpr (kStaged) {
     const float row_scale[2] = {scale, scale};
     store_rows_staged<T, kRows, kHeadDim>(stage, acc, row_scale, base, row_stride, nrows);
     return;
@@ -676,11 +683,12 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       mbarrier_arrive(dq_full + sb, kWarps);
     }
 
-  if constexpr (kHeadDim <= 64) sync_math();  // (store_accumulator: staged through K and V)
+  constexpr bool kStagedKeys = kHeadDim <= 64 || (kFusedDq && FOX_HOPPER_FUSED_STAGED_STORE);
+  if constexpr (kStagedKeys) sync_math();  // (store_accumulator: staged through K and V)
   const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
-  store_accumulator<T, kBlockN, kHeadDim>(Ks, out.dk, p.dk_row_stride, warp_row0, nk, dk,
+  store_accumulator<T, kBlockN, kHeadDim, kStagedKeys>(Ks, out.dk, p.dk_row_stride, warp_row0, nk, dk,
                                           static_cast<float>(p.scale));
-  store_accumulator<T, kBlockN, kHeadDim>(Vs, out.dv, p.dv_row_stride, warp_row0, nk, dv, 1.f);
+  store_accumulator<T, kBlockN, kHeadDim, kStagedKeys>(Vs, out.dv, p.dv_row_stride, warp_row0, nk, dv, 1.f);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
