@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   if constexpr (kStagedKeys) sync_math();  // (store_accumulator: staged through K and V)
   const KeyGradRows<T> out = key_grad_rows<T>(p, s, hk, j0);
   store_accumulator<T, kBlockN, kHeadDim, kStagedKeys>(Ks, out.dk, p.dk_row_stride, warp_row0, nk, dk,
-                                          static_cast<float>(p.scale));
+                                                       static_cast<float>(p.scale));
   store_accumulator<T, kBlockN, kHeadDim, kStagedKeys>(Vs, out.dv, p.dv_row_stride, warp_row0, nk, dv, 1.f);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }

@@ -427,10 +427,7 @@ struct GateAnchor {
   __device__ __forceinline__ float carry_at(int64_t kt) const { return kt == ta ? c_a : c_above; }
   // R of the query at position pos (log2 domain; added to its lse at the end).
   __device__ __forceinline__ float query_term(const float* T_, int64_t pos) const {
-    return query_term(pos, T_[pos]);
-  }
-  __device__ __forceinline__ float query_term(int64_t pos, float T_pos) const {
-    return (pos / kBlockN == ta ? c_a : c_above) - T_pos;
+    return (pos / kBlockN == ta ? c_a : c_above) - T_[pos];
   }
 };
 
@@ -839,14 +836,12 @@ struct KeyTilePipeline {
   }
 };
 
-// Turns of a warp-specialised kernel's math warpgroups at the tensor cores: the warpgroups with rows
-// (n_live of the two) alternate, warpgroup 0 first; warpgroup k waits on named barrier 4 + k (its
-// 128 threads and the other's 128, which arrive there when they pass). Each takes the same number
-// of turns.
+// Turns of a warp-specialised kernel's two math warpgroups at the tensor cores: they alternate,
+// warpgroup 0 first; warpgroup k waits on named barrier 4 + k (its 128 threads and the other's
+// 128, which arrive there when they pass). Each takes the same number of turns.
 struct MathTurns {
-  int wg, n_live;
+  int wg;
   __device__ __forceinline__ void wait(bool first) const {
-    if (n_live < 2) return;
     if (wg == 0) {
       asm volatile("bar.sync 4, 256;" ::: "memory");
     } else {
@@ -855,7 +850,6 @@ struct MathTurns {
     }
   }
   __device__ __forceinline__ void pass(bool last) const {
-    if (n_live < 2) return;
     if (wg == 0)
       asm volatile("bar.arrive 5, 256;" ::: "memory");
     else if (!last)  // (nobody waits for warpgroup 1's last pass)
@@ -997,7 +991,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int group = lane >> 2, quad = lane & 3;
   const int warp_row0 = 64 * wg + 16 * (warp & 3);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const MathTurns turns{wg, 2};
+  const MathTurns turns{wg};
   auto row_of = [&](int hi) { return warp_row0 + group + 8 * hi; };
   float o[kHeadDim / 2];
   float sc[kBlockN / 2];
