@@ -63,7 +63,10 @@ struct ForwardParams {
   // value are skipped. -inf disables pruning.
   float prune_threshold = -INFINITY;
 
-  FOX_HOST_DEVICE int64_t heads_per_kv_head() const { return num_heads / num_kv_heads; }
+  // (In 32 bits: head counts are small, and a 64-bit division is a long routine on the GPU.)
+  FOX_HOST_DEVICE int64_t heads_per_kv_head() const {
+    return static_cast<uint32_t>(num_heads) / static_cast<uint32_t>(num_kv_heads);
+  }
 
   // cu_seqlens and seq_start point to memory of the backend's device.
   FOX_HOST_DEVICE SequenceView sequence(int64_t s) const {

@@ -68,6 +68,13 @@ __device__ __forceinline__ Acc warp_inclusive_suffix_scan(Acc x, int lane) {
   return x;
 }
 
+// Quotients in 32 bits of values that stay below 2^31 (block and item indices, rows of (sequence,
+// head), heads: the grid's limit, check_grid): a 64-bit division is a routine of ~100
+// instructions, and a chain of them took ~1400 cycles at the start of every block.
+__device__ __forceinline__ int64_t quotient32(int64_t a, int64_t b) {
+  return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+}
+
 // ---- where one (sequence, head) lives ----------------------------------------------------------
 template <typename T>
 struct HeadPointers {
@@ -81,7 +88,7 @@ struct HeadPointers {
 template <typename T>
 __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
                                                          const SequenceView& s, int64_t h) {
-  const int64_t hk = h / p.heads_per_kv_head();
+  const int64_t hk = quotient32(h, p.heads_per_kv_head());
   HeadPointers<T> hp;
   hp.q = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride + s.row_q * p.q_row_stride +
          h * p.q_head_stride;
@@ -111,11 +118,13 @@ struct TileOrder {
 constexpr int64_t kSectionBytes = 8 << 20;
 __device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes,
                                                       int64_t b = blockIdx.x) {
-  const int64_t per_section = max64(1, min64(rows, kSectionBytes / max64(row_bytes, 1)));
-  const int64_t section = b / (per_section * num_tiles), first_row = section * per_section;
+  const int64_t rows_fitting = row_bytes > kSectionBytes ? 0 : quotient32(kSectionBytes, max64(row_bytes, 1));
+  const int64_t per_section = max64(1, min64(rows, rows_fitting));
+  const int64_t section = quotient32(b, per_section * num_tiles), first_row = section * per_section;
   const int64_t in_section = b - first_row * num_tiles;
   const int64_t width = min64(per_section, rows - first_row);  // the last section may be narrower
-  return {first_row + in_section % width, in_section / width};
+  const int64_t rank = quotient32(in_section, width);
+  return {first_row + in_section - rank * width, rank};
 }
 
 // The query tile a block owns (the longest causal rows first, block_tile_order), or item `index`
@@ -130,8 +139,9 @@ struct QueryTile {
 };
 __device__ __forceinline__ QueryTile query_tile(const ForwardParams& p, int64_t row, int64_t tile, int block_m) {
   QueryTile t;
-  t.h = row % p.num_heads;
-  t.s = p.sequence(row / p.num_heads);
+  const int64_t sequence = quotient32(row, p.num_heads);
+  t.h = row - sequence * p.num_heads;
+  t.s = p.sequence(sequence);
   t.i0 = tile * block_m;
   if (t.i0 >= t.s.len_q) return t;
   t.nq = static_cast<int>(min64(block_m, t.s.len_q - t.i0));
@@ -163,7 +173,8 @@ __device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_
   const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
                                        4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head());
   const int64_t tile = last_first ? num_tiles - 1 - o.rank : o.rank;
-  return {p.sequence(o.row / p.num_kv_heads), o.row % p.num_kv_heads, tile * block_n};
+  const int64_t sequence = quotient32(o.row, p.num_kv_heads);
+  return {p.sequence(sequence), o.row - sequence * p.num_kv_heads, tile * block_n};
 }
 
 // Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.
