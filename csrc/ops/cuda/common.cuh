@@ -76,6 +76,10 @@ __device__ __forceinline__ int64_t quotient32(int64_t a, int64_t b) {
 }
 
 // ---- where one (sequence, head) lives ----------------------------------------------------------
+// The kv head that query head h reads (GQA).
+__device__ __forceinline__ int64_t kv_head_of(const ForwardParams& p, int64_t h) {
+  return quotient32(h, p.heads_per_kv_head());
+}
 template <typename T>
 struct HeadPointers {
   const T* q;       // row i of the sequence at q + i * q_row
@@ -88,7 +92,7 @@ struct HeadPointers {
 template <typename T>
 __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
                                                          const SequenceView& s, int64_t h) {
-  const int64_t hk = quotient32(h, p.heads_per_kv_head());
+  const int64_t hk = kv_head_of(p, h);
   HeadPointers<T> hp;
   hp.q = static_cast<const T*>(p.q) + s.batch_index * p.q_batch_stride + s.row_q * p.q_row_stride +
          h * p.q_head_stride;

@@ -732,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, kDqMinBlocks<kHeadDim>)
                             kHeadDim > 64 && nq > 64 &&
                                 (!use_tma || FOX_HOPPER_TMA_DECOUPLED),
                             use_tma);
-  const int64_t kv_head = quotient32(h, p.heads_per_kv_head());
+  const int64_t kv_head = kv_head_of(p, h);
   auto load_keys = [&](int64_t kt, int64_t tile_it, bool by_tma) {  // into the stage of tile_it
     const int64_t j0 = kt * kKeys;
     const int st = static_cast<int>(tile_it & 1);

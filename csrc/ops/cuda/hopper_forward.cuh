@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_FWD_DECOUPLED_64) && !kSplit;
   const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
                             kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
-  const int64_t kv_head = quotient32(h, p.heads_per_kv_head());
+  const int64_t kv_head = kv_head_of(p, h);
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
   auto load_suffix = [&](float* dst, int64_t j0) {
@@ -953,7 +953,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int64_t kt_top = qt.L / kBlockN, n_tiles = kt_top - s.first_key / kBlockN + 1;
       const GateAnchor anchor = qt.nq > 0 ? GateAnchor(T_, qt.a, s.len_k) : GateAnchor(0, 0.f, 0.f);
       const float carry = anchor.carry_at(kt_top);
-      const int64_t kv_head = quotient32(qt.h, p.heads_per_kv_head());
+      const int64_t kv_head = kv_head_of(p, qt.h);
       if (qt.nq > 0)
         pipe.produce(maps, T_, hp.k, hp.v, hp.k_row, hp.v_row, g, 0, 1, kt_top, s.len_k, carry, qt.L, prune_log2,
                      s.row_k, kv_head, s.batch_index);
