@@ -388,9 +388,10 @@ __global__ void __launch_bounds__(kKeys) gate_suffix_kernel(const ForwardParams 
   __shared__ float warp_totals[kKeys / 32];
   const int64_t b = blockIdx.x;
   if (tile_counter != nullptr && b == 0 && threadIdx.x == 0) *tile_counter = 0;
-  const int64_t t = b % num_tiles;
-  const int64_t h = (b / num_tiles) % p.num_heads;
-  const SequenceView s = p.sequence(b / (num_tiles * p.num_heads));
+  // (32-bit quotients: block indices stay below 2^31)
+  const int64_t tile_row = quotient32(b, num_tiles), t = b - tile_row * num_tiles;
+  const int64_t seq = quotient32(tile_row, p.num_heads), h = tile_row - seq * p.num_heads;
+  const SequenceView s = p.sequence(seq);
   const int64_t j0 = t * kKeys;
   if (j0 >= s.len_k) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -558,10 +559,10 @@ constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 #define FOX_HOPPER_TMA_DECOUPLED 1
 #endif
 
-// The decoupled handoff in the head-dim-64 forward too (1; version 30's code: -1.5% forward time,
-// forward+backward even, so the simpler barrier stays).
+// The decoupled handoff in the head-dim-64 forward too: -1.2% forward time at N=2k and -2.4% at
+// 16k (version 60; version 30's code measured -1.5% and kept the barrier). 0: one barrier per tile.
 #ifndef FOX_HOPPER_FWD_DECOUPLED_64
-#define FOX_HOPPER_FWD_DECOUPLED_64 0
+#define FOX_HOPPER_FWD_DECOUPLED_64 1
 #endif
 
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
@@ -607,14 +608,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   // Stage handoff. The tiles after the first come by bulk tensor copies that thread 0 issues
   // (TileHandoff::copy; T stays on cp.async) where the layout allows it: -17% forward time at D=64 against
   // cp.async by every thread. Decoupled (TileHandoff) at head dim 128 when both warpgroups hold
-  // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA); at
-  // head dim 64 (two blocks per SM) and in decoding (one live warpgroup) one barrier per tile:
-  // decoupling measured +4% there with TMA, +24% and +13-16% without (and -1.5% at D=64 after the
-  // instruction cuts of versions 27-30: FOX_HOPPER_FWD_DECOUPLED_64).
+  // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA; at head
+  // dim 64, two blocks per SM, -1.2% to -2.4%: FOX_HOPPER_FWD_DECOUPLED_64); in decoding (one
+  // live warpgroup) one barrier per tile: decoupling measured +13-16% there.
   const bool use_tma = maps.enabled != 0;
   constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_FWD_DECOUPLED_64) && !kSplit;
-  const TileHandoff handoff(base + Smem::kBytesTiles + Smem::kBytesT,
-                            kDecoupled && nq > 64 && (!use_tma || FOX_HOPPER_TMA_DECOUPLED), use_tma);
+  // (at head dim 64 only with TMA: with cp.async decoupling measured +24%, version 20)
+  const TileHandoff handoff(
+      base + Smem::kBytesTiles + Smem::kBytesT,
+      kDecoupled && nq > 64 && (kHeadDim > 64 ? !use_tma || FOX_HOPPER_TMA_DECOUPLED : use_tma), use_tma);
   const int64_t kv_head = kv_head_of(p, h);
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
