@@ -9,6 +9,7 @@ computes the gate's gradient too, as ours does (make_flex); the "q,k,v" column l
     python3 bench/bench_cuda.py --check    # first a few large fp64-reference checks of the kernels
     python3 bench/bench_cuda.py --only-check
     python3 bench/bench_cuda.py --quick    # one size per head dim
+    python3 bench/bench_cuda.py --kernels  # each kernel's time per call, ours and SDPA's (--quick sizes)
 """
 import argparse
 import math
@@ -153,6 +154,55 @@ def bench_prefill(D, H, N, thr=None, with_flex=True):
     return row
 
 
+def kernel_times(fn, reps=10):
+    """{kernel name: time per call in us} of fn's CUDA kernels (torch profiler, after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / reps
+    return times
+
+
+def print_kernel_breakdown(D, H, N):
+    """Where a call's time goes, kernel by kernel: ours (forward; forward+backward with the gate's
+    gradient) against SDPA without a gate, bench_prefill's inputs."""
+    B = 16384 // N
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = gates(B, N, H, "cuda")
+    do = torch.randn_like(q)
+    qg, kg, vg, gg = (x.detach().clone().requires_grad_(True) for x in (q, k, v, g))
+    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    doh = do.transpose(1, 2).contiguous()
+    qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (qh, kh, vh))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(*x):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(*x, is_causal=True)
+    passes = {
+        "ours forward": lambda: op_fwd(q, k, v, g, None, None, None, None),
+        "SDPA forward": lambda: sdpa(qh, kh, vh),
+        "ours forward+backward": lambda: torch.autograd.grad(op(qg, kg, vg, gg, None, None, None, None),
+                                                             (qg, kg, vg, gg), do),
+        "SDPA forward+backward": lambda: torch.autograd.grad(sdpa(qs, ks, vs), (qs, ks, vs), doh),
+    }
+    print(f"\nD={D} H={H} N={N} B={B} (us per call)", flush=True)
+    for name, fn in passes.items():
+        times = kernel_times(fn)
+        print(f"  {name}: {sum(times.values()):.1f}", flush=True)
+        for kernel, t in sorted(times.items(), key=lambda x: -x[1]):
+            if t >= 0.5:
+                print(f"    {t:9.1f}  {kernel[:100]}", flush=True)
+
+
 def bench_decode(B=1, H=16, D=128, Tk=32768, Tq=1):
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Tq, H, D, device=dev, dtype=dt)
@@ -264,6 +314,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--only-check", action="store_true", help="the checks, no timing")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kernels", action="store_true",
+                    help="each kernel's time per call, ours and SDPA's, at the --quick sizes; no table")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--threshold", type=float, default=-20.0, help="ACP threshold of the ACP rows")
     args = ap.parse_args()
@@ -272,6 +324,11 @@ def main():
         ok = run_checks()
         if args.only_check:
             sys.exit(0 if ok else 1)
+    if args.kernels:
+        for D, H in ((64, 32), (128, 16)):
+            for N in (2048, 16384):
+                print_kernel_breakdown(D, H, N)
+        return
     sizes = [2048, 16384] if args.quick else [2048, 4096, 8192, 16384]
     print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b "
           "| flex f+b | flex f+b q,k,v | sdpa f+b | ours/flex fwd | ours/flex f+b | ours+ACP/flex f+b "
