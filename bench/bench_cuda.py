@@ -12,7 +12,6 @@ computes the gate's gradient too, as ours does (make_flex); the "q,k,v" column l
     python3 bench/bench_cuda.py --kernels  # each kernel's time per call, ours and SDPA's (--quick sizes)
 """
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -85,15 +84,19 @@ def flex_gate_check(flex_grads, ours_dlogf, D, N):
         raise RuntimeError(f"flex gate gradient disagrees with ours ({gap:.2e})")
 
 
-def bench_prefill(D, H, N, thr=None, with_flex=True):
+def prefill_inputs(D, H, N):
+    """The prefill benchmarks' inputs: B = 16384 / N sequences of bf16 q, k, v (B, N, H, D), the
+    gates, an output gradient, and q, k, v and the gradient head-first (B, H, N, D) for SDPA."""
     B = 16384 // N
-    dev = "cuda"
-    dt = torch.bfloat16
-    q = torch.randn(B, N, H, D, device=dev, dtype=dt)
-    k = torch.randn(B, N, H, D, device=dev, dtype=dt)
-    v = torch.randn(B, N, H, D, device=dev, dtype=dt)
-    g = gates(B, N, H, dev)
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = gates(B, N, H, "cuda")
     do = torch.randn_like(q)
+    qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    return B, (q, k, v, g, do), (qh, kh, vh, doh)
+
+
+def bench_prefill(D, H, N, thr=None, with_flex=True):
+    B, (q, k, v, g, do), (qh, kh, vh, doh) = prefill_inputs(D, H, N)
     flops_fwd = 2.0 * B * H * N * N * D
     row = {"D": D, "H": H, "N": N, "B": B}
 
@@ -109,8 +112,6 @@ def bench_prefill(D, H, N, thr=None, with_flex=True):
     row["ours_fwd"] = time_ms(ours_fwd)
     row["ours_fb"] = time_ms(ours_fb)
 
-    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    doh = do.transpose(1, 2).contiguous()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (qh, kh, vh))
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
@@ -174,13 +175,8 @@ def kernel_times(fn, reps=10):
 def print_kernel_breakdown(D, H, N):
     """Where a call's time goes, kernel by kernel: ours (forward; forward+backward with the gate's
     gradient) against SDPA without a gate, bench_prefill's inputs."""
-    B = 16384 // N
-    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    g = gates(B, N, H, "cuda")
-    do = torch.randn_like(q)
+    B, (q, k, v, g, do), (qh, kh, vh, doh) = prefill_inputs(D, H, N)
     qg, kg, vg, gg = (x.detach().clone().requires_grad_(True) for x in (q, k, v, g))
-    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    doh = do.transpose(1, 2).contiguous()
     qs, ks, vs = (x.detach().clone().requires_grad_(True) for x in (qh, kh, vh))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
