@@ -559,8 +559,10 @@ TMA_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, layout)
 def test_tma_and_cp_async_paths_agree(monkeypatch, case):
     """The Hopper kernels load full tiles by TMA where the layout allows it, else by cp.async
     (FOX_DISABLE_TMA=1 forces it): the same arithmetic, so bitwise the same output and gradients,
-    with and without pruning. (Elsewhere than on a Hopper GPU both runs take the same path.)"""
+    with and without pruning. (Elsewhere than on a Hopper GPU both runs take the same path.) The
+    backward in two kernels: the fused one has no cp.async form (test_fused_backward's)."""
     name, B, Tq, Tk, H, Hkv, D, layout = case
+    monkeypatch.setenv("FOX_FUSED_BACKWARD", "0")
     cu_seqlens = None
     if layout == "varlen":
         lengths = [130, 700, 1, 257]

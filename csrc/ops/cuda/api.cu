@@ -83,15 +83,15 @@ bool hopper_kernels_enabled() {
 // 50): in turns, the default (FOX_FUSED_BACKWARD=0 turns it off), or in whatever order the tiles
 // finish (FOX_NONDETERMINISTIC_BACKWARD=1; off under torch.use_deterministic_algorithms). The two
 // kernels and the turns are bitwise reproducible, each with its own bits. Fused only where it is
-// faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries (default 1024 at head dim 128,
-// 2048 at 64: below that the tail of the turns and converting the float32 accumulator cost what
-// the two products save; bench/NOTES.md, version 53), and not with pruning (its walks end early,
+// faster: sequences of at least FOX_FUSED_BACKWARD_MIN_LEN queries (default 1024 at head dim 64,
+// where below that the tail of the turns and converting the float32 accumulator cost what the two
+// products save; any length at 128: bench/NOTES.md, versions 53 and 68), and not with pruning (its walks end early,
 // which the producer warp would have to foresee and which would leave turns untaken). Read per
 // call (tests set them).
 enum class BackwardForm { kTwoKernels, kFusedInTurns, kFusedAnyOrder };
 BackwardForm backward_form(int64_t max_len_q, int64_t head_dim, bool pruned) {
   const char* min_len = std::getenv("FOX_FUSED_BACKWARD_MIN_LEN");
-  const int64_t bound = min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : (head_dim > 64 ? 1024 : 2048);
+  const int64_t bound = min_len != nullptr && *min_len != '\0' ? std::atoll(min_len) : (head_dim > 64 ? 0 : 1024);
   if (pruned || max_len_q < bound) return BackwardForm::kTwoKernels;
   if (env_flag("FOX_NONDETERMINISTIC_BACKWARD") && !at::globalContext().deterministicAlgorithms())
     return BackwardForm::kFusedAnyOrder;

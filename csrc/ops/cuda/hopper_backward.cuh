@@ -12,10 +12,11 @@
 //     dc = -colsum(dS).
 //     Fused (kFusedDq, the five-product backward; the default from 1024 or 2048 queries,
 //     api.cu): the same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T
-//     through shared memory), and stages it with the row sums of dS for a third warpgroup, whose
-//     producer warp loads the query tiles (TMA) and whose writer warp adds each staged tile to a
-//     float32 accumulator by one bulk reduction, in turns (bitwise reproducible, the first turn
-//     storing: write_dq_tiles) or in any order; dq_from_accumulator then scales and rounds it.
+//     through shared memory; each warpgroup over its own keys first, then the other's), and
+//     stages it with the row sums of dS for a third warpgroup, whose producer warp loads the query
+//     tiles (TMA) and whose writer warp adds each staged tile to a float32 accumulator by one bulk
+//     reduction, in turns (bitwise reproducible, the first turn storing: write_dq_tiles) or in any
+//     order; dq_from_accumulator then scales and rounds it.
 //     The math warpgroups only wait for tiles and staging space, and get the third warpgroup's
 //     registers (setmaxnreg).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
@@ -73,6 +74,29 @@ constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 #ifndef FOX_HOPPER_FUSED_STAGED_STORE
 #define FOX_HOPPER_FUSED_STAGED_STORE 1
 #endif
+
+// The fused backward's dQ^T = K^T dS^T by each warpgroup over its own keys first, then the other's
+// (1: -1% to -5% backward time against 0, bench/NOTES.md version 68), or over all 128 keys once
+// both warpgroups have stored their dS^T (0: a barrier of all math warps in every tile, which
+// lines the two warpgroups up, so that their elementwise work leaves the tensor cores idle at once).
+#ifndef FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST
+#define FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST 1
+#endif
+// Warpgroup `wg` has stored its rows of dS^T (named barrier 6 + wg: its 128 threads arrive, the
+// other warpgroup's 128 wait). Once a tile, in step: a warpgroup stores the next tile's dS^T only
+// after every math warp's dQ^T of this one is done (dst_free), which the waiting side's wait precedes.
+__device__ __forceinline__ void dst_written_arrive(int wg) {
+  if (wg == 0)
+    asm volatile("bar.arrive 6, 256;" ::: "memory");
+  else
+    asm volatile("bar.arrive 7, 256;" ::: "memory");
+}
+__device__ __forceinline__ void dst_written_wait(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 6, 256;" ::: "memory");
+  else
+    asm volatile("bar.sync 7, 256;" ::: "memory");
+}
 
 template <int kHeadDim, bool kFusedDq = false>
 struct DkdvSmem {
@@ -171,11 +195,12 @@ template <>
 struct GmmaTransposed<__half> {
   using SS = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::MN>;
 };
+// `accumulate`: onto acc, else the first k-step starts it.
 template <class Op, int kRows, int N, int... KS>
-__device__ __forceinline__ void gemm_transposed_tiles(uint32_t a, uint32_t b, float (&acc)[N],
+__device__ __forceinline__ void gemm_transposed_tiles(uint32_t a, uint32_t b, float (&acc)[N], bool accumulate,
                                                       std::integer_sequence<int, KS...>) {
   (gmma_ss<Op>(sw128_descriptor<KS * 16 * 128, kRows * 128, 1024>(a),
-               sw128_descriptor<KS * 16 * 128, kRows * 128, 1024>(b), acc, KS > 0),
+               sw128_descriptor<KS * 16 * 128, kRows * 128, 1024>(b), acc, accumulate || KS > 0),
    ...);
 }
 
@@ -580,8 +605,9 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       if constexpr (kFusedDq) {
         // dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it), and
         // this warp's row sums of dS (float32) per query. dS^T once every warp's dQ^T of the tile
-        // before is done; the row sums alternate between two buffers (the barrier before dQ^T orders
-        // the reads of one tile before the writes of the tile after next).
+        // before is done; the row sums alternate between two buffers (warpgroup 0 reads a tile's
+        // after the other's dS^T is stored, and before its warps release dS^T, which the writes of
+        // the tile after next wait for).
         using Mma = MmaTraits<T>;
         if (n_staged >= 1) mbarrier_wait(dst_free, static_cast<uint32_t>((n_staged - 1) & 1));
 #pragma unroll
@@ -613,19 +639,36 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
       gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
-      // Fused: dQ^T = K^T dS^T once every warp has stored its dS^T. Each warpgroup takes one 64 x 64
-      // half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of the 128 queries at
-      // D=64.
+      // Fused: dQ^T = K^T dS^T, summed over the 128 keys of both warpgroups' dS^T. Each warpgroup
+      // takes one 64 x 64 half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of
+      // the 128 queries at D=64.
       float dqT[32];
       if constexpr (kFusedDq) {
+        using GmmaT = typename GmmaTransposed<T>::SS;
+        const uint32_t a = tile_address(Ks + (kHeadDim > 64 ? wg * kBlockN * 64 : 0));
+        const uint32_t b = tile_address(Dst + (kHeadDim > 64 ? 0 : wg * kBlockN * 64));
         fence_async_proxy();
-        sync_math();
-        const T* a = Ks + (kHeadDim > 64 ? wg * kBlockN * 64 : 0);
-        const T* b = Dst + (kHeadDim > 64 ? 0 : wg * kBlockN * 64);
+#if FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST
+        // The warpgroup's own 64 keys first (k-steps of its rows of K and dS^T, 64 rows of 128
+        // bytes in: tile_address counts 16-byte units), as soon as its own warps have stored their
+        // dS^T; then the other warpgroup's, once that one has. A warpgroup waits for the other only
+        // after issuing three products, so the two need not meet at the same point of every tile.
+        const uint32_t own = static_cast<uint32_t>(wg) * (64 * 128 / 16), other = 64 * 128 / 16 - own;
+        warpgroup_barrier(wg);
+        dst_written_arrive(wg);
         cute::warpgroup_arrive();
-        gemm_transposed_tiles<typename GmmaTransposed<T>::SS, kBlockN>(
-            tile_address(a), tile_address(b), dqT, std::make_integer_sequence<int, kBlockN / 16>{});
+        gemm_transposed_tiles<GmmaT, kBlockN>(a + own, b + own, dqT, false, std::make_integer_sequence<int, 4>{});
         cute::warpgroup_commit_batch();
+        dst_written_wait(1 - wg);
+        cute::warpgroup_arrive();
+        gemm_transposed_tiles<GmmaT, kBlockN>(a + other, b + other, dqT, true, std::make_integer_sequence<int, 4>{});
+        cute::warpgroup_commit_batch();
+#else
+        sync_math();
+        cute::warpgroup_arrive();
+        gemm_transposed_tiles<GmmaT, kBlockN>(a, b, dqT, false, std::make_integer_sequence<int, kBlockN / 16>{});
+        cute::warpgroup_commit_batch();
+#endif
       }
       if (p0 + kQueries > boundary) {  // the next query tile starts past the boundary
         c_cur = c_next;

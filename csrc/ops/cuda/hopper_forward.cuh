@@ -206,6 +206,15 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int
   }
 }
 
+// The threads of math warpgroup `wg` meet: named barrier 1 + wg (as immediates: a register id
+// reserves all 16).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
 // This warpgroup's 64 rows of a kRows x kHeadDim accumulator tile (rows warp_row0 + group + 8 hi
 // of this thread, as wgmma leaves them, times row_scale[hi]) to rows [0, nrows) of `out`, through
 // `stage`: a shared-memory tile of load_tile's layout whose rows of this warpgroup nothing reads
@@ -231,10 +240,7 @@ __device__ __forceinline__ void store_rows_staged(T* stage, const float (&acc)[k
     for (int n = 0; n < kHeadDim / 8; ++n)
       *reinterpret_cast<uint32_t*>(stage + sw128_offset(warp_row0 + group + 8 * hi, n, kRows) + quad * 2) =
           Mma::pack(acc[4 * n + 2 * hi] * row_scale[hi], acc[4 * n + 2 * hi + 1] * row_scale[hi]);
-  if (wg == 0)  // the warpgroup's threads (named barriers as immediates: a register id reserves all 16)
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;" ::: "memory");
+  warpgroup_barrier(wg);
   constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
 #pragma unroll
   for (int i = threadIdx.x & 127; i < 64 * kChunks; i += 128) {
