@@ -79,6 +79,9 @@ constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 // (1: -1% to -5% backward time against 0, bench/NOTES.md version 68), or over all 128 keys once
 // both warpgroups have stored their dS^T (0: a barrier of all math warps in every tile, which
 // lines the two warpgroups up, so that their elementwise work leaves the tensor cores idle at once).
+#ifndef FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS
+#define FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS 0
+#endif
 #ifndef FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST
 #define FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST 1
 #endif
@@ -400,6 +403,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   uint64_t* dst_free = reinterpret_cast<uint64_t*>(dq_slots + 2);
   constexpr int kDqRow = kDqAccRow<kHeadDim>;
   constexpr int kStageFloats = kQueries * kDqRow;
+  constexpr bool kStoreDstLate = FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS && kHeadDim > 64;
   // Barrier of the threads that walk: the math warpgroups (the writer's warpgroup does not take part).
   auto sync_math = [] {
     if constexpr (kFusedDq)
@@ -602,9 +606,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         probabilities(std::true_type{});
       else
         probabilities(std::false_type{});
-      if constexpr (kFusedDq) {
-        // dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it), and
-        // this warp's row sums of dS (float32) per query. dS^T once every warp's dQ^T of the tile
+      // Fused: dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it),
+      // and this warp's row sums of dS (float32) per query.
+      auto store_dst = [&] {
+        // dS^T once every warp's dQ^T of the tile
         // before is done; the row sums alternate between two buffers (warpgroup 0 reads a tile's
         // after the other's dS^T is stored, and before its warps release dS^T, which the writes of
         // the tile after next wait for).
@@ -627,7 +632,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         for (int i = 0; i < kQueries / 32; i += 2)
           *reinterpret_cast<float2*>(rowsums + warp * kQueries + 8 * ((first + i) >> 1) + 2 * quad) =
               make_float2(part[i], part[i + 1]);
-      }
+      };
+      if constexpr (kFusedDq && !kStoreDstLate) store_dst();
       uint32_t pT[kQueries / 16][4], dsT[kQueries / 16][4];
       to_a_fragments<T, kQueries>(pT, sT);
       to_a_fragments<T, kQueries>(dsT, dpT);
@@ -639,6 +645,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
       gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
+      if constexpr (kFusedDq && kStoreDstLate) store_dst();
       // Fused: dQ^T = K^T dS^T, summed over the 128 keys of both warpgroups' dS^T. Each warpgroup
       // takes one 64 x 64 half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of
       // the 128 queries at D=64.
