@@ -79,9 +79,6 @@ constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 // (1: -1% to -5% backward time against 0, bench/NOTES.md version 68), or over all 128 keys once
 // both warpgroups have stored their dS^T (0: a barrier of all math warps in every tile, which
 // lines the two warpgroups up, so that their elementwise work leaves the tensor cores idle at once).
-#ifndef FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS
-#define FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS 0
-#endif
 #ifndef FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST
 #define FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST 1
 #endif
@@ -403,7 +400,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   uint64_t* dst_free = reinterpret_cast<uint64_t*>(dq_slots + 2);
   constexpr int kDqRow = kDqAccRow<kHeadDim>;
   constexpr int kStageFloats = kQueries * kDqRow;
-  constexpr bool kStoreDstLate = FOX_HOPPER_FUSED_DST_AFTER_PRODUCTS && kHeadDim > 64;
+  // Fused: dS^T goes to shared memory while dV and dK are computed at D=128 (-1% to -2%); at D=64
+  // before them, since keeping dS^T's float32 values across them spills (+2%). The row sums of dS
+  // follow the products at both (-1% to -3% at D=64). (bench/NOTES.md, version 68)
+  constexpr bool kStoreDstLate = kHeadDim > 64;
   // Barrier of the threads that walk: the math warpgroups (the writer's warpgroup does not take part).
   auto sync_math = [] {
     if constexpr (kFusedDq)
@@ -607,12 +607,12 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       else
         probabilities(std::false_type{});
       // Fused: dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it),
-      // and this warp's row sums of dS (float32) per query.
+      // once every warp's dQ^T of the tile before is done, and this thread's sums of dS per query
+      // over its two keys; then this warp's row sums of dS (float32) per query, in one of two
+      // buffers (warpgroup 0 reads a tile's after the other's dS^T is stored and before its warps
+      // release dS^T, which the writes of the tile after next wait for).
+      float part[kQueries / 4];  // entry 2n + e: query 8n + 2 quad + e, this thread's two keys
       auto store_dst = [&] {
-        // dS^T once every warp's dQ^T of the tile
-        // before is done; the row sums alternate between two buffers (warpgroup 0 reads a tile's
-        // after the other's dS^T is stored, and before its warps release dS^T, which the writes of
-        // the tile after next wait for).
         using Mma = MmaTraits<T>;
         if (n_staged >= 1) mbarrier_wait(dst_free, static_cast<uint32_t>((n_staged - 1) & 1));
 #pragma unroll
@@ -621,12 +621,13 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
           for (int n = 0; n < kQueries / 8; ++n)
             *reinterpret_cast<uint32_t*>(Dst + sw128_offset(warp_row0 + group + 8 * hi, n, kBlockN) + quad * 2) =
                 Mma::pack(dpT[4 * n + 2 * hi], dpT[4 * n + 2 * hi + 1]);
-        float* rowsums = warp_rowsums + (n_staged & 1) * kWarps * kQueries;
-        float part[kQueries / 4];  // entry 2n + e: query 8n + 2 quad + e, this thread's two keys
 #pragma unroll
         for (int n = 0; n < kQueries / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) part[2 * n + e] = dpT[4 * n + e] + dpT[4 * n + 2 + e];
+      };
+      auto store_row_sums = [&] {
+        float* rowsums = warp_rowsums + (n_staged & 1) * kWarps * kQueries;
         const int first = column_sums_scattered(part);
 #pragma unroll
         for (int i = 0; i < kQueries / 32; i += 2)
@@ -645,7 +646,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
       gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
-      if constexpr (kFusedDq && kStoreDstLate) store_dst();
+      if constexpr (kFusedDq) {
+        if constexpr (kStoreDstLate) store_dst();
+        store_row_sums();
+      }
       // Fused: dQ^T = K^T dS^T, summed over the 128 keys of both warpgroups' dS^T. Each warpgroup
       // takes one 64 x 64 half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of
       // the 128 queries at D=64.
