@@ -10,13 +10,13 @@
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
 //     diagonal for every head of the GQA group.
 //     dc = -colsum(dS).
-//     Fused (kFusedDq, the five-product backward; the default from 1024 or 2048 queries,
-//     api.cu): the same kernel also computes this key tile's part of dQ, dQ^T = K^T dS^T (dS^T
-//     through shared memory; each warpgroup over its own keys first, then the other's), and
-//     stages it with the row sums of dS for a third warpgroup, whose producer warp loads the query
-//     tiles (TMA) and whose writer warp adds each staged tile to a float32 accumulator by one bulk
-//     reduction, in turns (bitwise reproducible, the first turn storing: write_dq_tiles) or in any
-//     order; dq_from_accumulator then scales and rounds it.
+//     Fused (kFusedDq, the five-product backward; the default at any length at head dim 128 and
+//     from 1024 queries at 64, api.cu): the same kernel also computes this key tile's part of dQ,
+//     dQ^T = K^T dS^T (dS^T through shared memory; each warpgroup over its own keys first, then
+//     the other's), and stages it with the row sums of dS for a third warpgroup, whose producer
+//     warp loads the query tiles (TMA) and whose writer warp adds each staged tile to a float32
+//     accumulator by one bulk reduction, in turns (bitwise reproducible, the first turn storing:
+//     write_dq_tiles) or in any order; dq_from_accumulator then scales and rounds it.
 //     The math warpgroups only wait for tiles and staging space, and get the third warpgroup's
 //     registers (setmaxnreg).
 //   dq_kernel: one block per (sequence, head, 128-query tile), each warpgroup 64 queries:
@@ -395,8 +395,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   uint64_t* dq_full = reinterpret_cast<uint64_t*>(base + Smem::kOffWriter);
   uint64_t* dq_empty = dq_full + 2;
   DqWriterSlot* dq_slots = reinterpret_cast<DqWriterSlot*>(dq_full + 4);
-  // Completes once every math warp's product dQ^T has read dS^T: the next tile may write it. (One
-  // barrier per tile among the math warps, the one before dQ^T, instead of two: -3% to -6%.)
+  // Completes once every math warp's product dQ^T has read dS^T: the next tile may write it. (An
+  // mbarrier, not a second barrier of the math warps in every tile: -3% to -6%, version 53.)
   uint64_t* dst_free = reinterpret_cast<uint64_t*>(dq_slots + 2);
   constexpr int kDqRow = kDqAccRow<kHeadDim>;
   constexpr int kStageFloats = kQueries * kDqRow;
