@@ -85,18 +85,8 @@ constexpr int kDqAccRow = fused_dq_row(kHeadDim);
 // Warpgroup `wg` has stored its rows of dS^T (named barrier 6 + wg: its 128 threads arrive, the
 // other warpgroup's 128 wait). Once a tile, in step: a warpgroup stores the next tile's dS^T only
 // after every math warp's dQ^T of this one is done (dst_free), which the waiting side's wait precedes.
-__device__ __forceinline__ void dst_written_arrive(int wg) {
-  if (wg == 0)
-    asm volatile("bar.arrive 6, 256;" ::: "memory");
-  else
-    asm volatile("bar.arrive 7, 256;" ::: "memory");
-}
-__device__ __forceinline__ void dst_written_wait(int wg) {
-  if (wg == 0)
-    asm volatile("bar.sync 6, 256;" ::: "memory");
-  else
-    asm volatile("bar.sync 7, 256;" ::: "memory");
-}
+__device__ __forceinline__ void dst_written_arrive(int wg) { warpgroup_pair_arrive<6, 256>(wg); }
+__device__ __forceinline__ void dst_written_wait(int wg) { warpgroup_pair_sync<6, 256>(wg); }
 
 template <int kHeadDim, bool kFusedDq = false>
 struct DkdvSmem {

@@ -206,14 +206,34 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t ld, int
   }
 }
 
-// The threads of math warpgroup `wg` meet: named barrier 1 + wg (as immediates: a register id
-// reserves all 16).
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  if (wg == 0)
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;" ::: "memory");
+// Named barrier kId of kCount threads: wait there, or arrive without waiting. The id is an
+// immediate (a register id reserves all 16 barriers).
+template <int kId, int kCount>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
 }
+template <int kId, int kCount>
+__device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
+}
+// Named barrier kFirst + wg, for math warpgroup `wg` (0 or 1).
+template <int kFirst, int kCount>
+__device__ __forceinline__ void warpgroup_pair_sync(int wg) {
+  if (wg == 0)
+    named_barrier_sync<kFirst, kCount>();
+  else
+    named_barrier_sync<kFirst + 1, kCount>();
+}
+template <int kFirst, int kCount>
+__device__ __forceinline__ void warpgroup_pair_arrive(int wg) {
+  if (wg == 0)
+    named_barrier_arrive<kFirst, kCount>();
+  else
+    named_barrier_arrive<kFirst + 1, kCount>();
+}
+
+// The threads of math warpgroup `wg` meet: named barrier 1 + wg.
+__device__ __forceinline__ void warpgroup_barrier(int wg) { warpgroup_pair_sync<1, 128>(wg); }
 
 // This warpgroup's 64 rows of a kRows x kHeadDim accumulator tile (rows warp_row0 + group + 8 hi
 // of this thread, as wgmma leaves them, times row_scale[hi]) to rows [0, nrows) of `out`, through
@@ -851,21 +871,21 @@ struct MathTurns {
   int wg;
   __device__ __forceinline__ void wait(bool first) const {
     if (wg == 0) {
-      asm volatile("bar.sync 4, 256;" ::: "memory");
+      named_barrier_sync<4, 256>();
     } else {
-      if (first) asm volatile("bar.arrive 4, 256;" ::: "memory");  // warpgroup 0 goes first
-      asm volatile("bar.sync 5, 256;" ::: "memory");
+      if (first) named_barrier_arrive<4, 256>();  // warpgroup 0 goes first
+      named_barrier_sync<5, 256>();
     }
   }
   __device__ __forceinline__ void pass(bool last) const {
     if (wg == 0)
-      asm volatile("bar.arrive 5, 256;" ::: "memory");
+      named_barrier_arrive<5, 256>();
     else if (!last)  // (nobody waits for warpgroup 1's last pass)
-      asm volatile("bar.arrive 4, 256;" ::: "memory");
+      named_barrier_arrive<4, 256>();
   }
 };
 // The math threads (both math warpgroups) meet: named barrier 3.
-__device__ __forceinline__ void math_barrier() { asm volatile("bar.sync 3, 256;" ::: "memory"); }
+__device__ __forceinline__ void math_barrier() { named_barrier_sync<3, 256>(); }
 
 // Warp-specialised forward (head dim 128, tiles by TMA), FlashAttention-3's schedule: a producer
 // warpgroup requests the tiles (KeyTilePipeline, three stages), two math warpgroups compute, and
