@@ -35,6 +35,13 @@ def with_kernel_names(fn):
     return result, {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
+def fused_backward_ran(kernels):
+    """Whether the kernels launched (with_kernel_names) include the fused backward's: the dK/dV
+    kernel's instantiation with dQ, and dQ's conversion after it (as a pair, for the assertion)."""
+    return (any(re.search(r"dkdv_kernel<[^>]*, true>", name) for name in kernels),
+            any("dq_from_accumulator" in name for name in kernels))
+
+
 def index_tensor(values, device, dtype=torch.int64):
     return torch.tensor(values, dtype=dtype, device=device)
 
@@ -506,8 +513,7 @@ def test_fused_backward(monkeypatch, case, order):
     # Which backward ran, from the kernels launched: the fused form is the dK/dV kernel's
     # instantiation with dQ, and it ends with dQ's conversion (dQ's bits cannot tell: where a query
     # tile sees few key tiles, the two orders of the float32 sums often round to the same 16-bit dQ).
-    fused = any(re.search(r"dkdv_kernel<[^>]*, true>", name) for name in kernels)
-    converted = any("dq_from_accumulator" in name for name in kernels)
+    fused, converted = fused_backward_ran(kernels)
     assert fused == converted == (threshold is None), sorted(kernels)
     ref, ref_grads = forward_backward(lambda *x: naive_attention(*x, **opts),
                                       [x.double() for x in (q, k, v, g)], grad_out.double())
@@ -808,8 +814,7 @@ def test_cache_seqlens_fused_backward(monkeypatch):
         lambda *x: op(*x, starts, None, None, None, lengths), (q, k, v, g), grad_out))
     # The fused kernel ran (its instantiation with dQ, and dQ's conversion: test_fused_backward's
     # witness; dQ's bits cannot tell).
-    assert any(re.search(r"dkdv_kernel<[^>]*, true>", name) for name in kernels), sorted(kernels)
-    assert any("dq_from_accumulator" in name for name in kernels), sorted(kernels)
+    assert fused_backward_ran(kernels) == (True, True), sorted(kernels)
     ref, ref_grads = forward_backward(lambda *x: rowwise_reference(*x, lengths, starts),
                                       [x.double() for x in (q, k, v, g)], grad_out.double())
     naive, naive_grads = forward_backward(
