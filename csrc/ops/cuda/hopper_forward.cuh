@@ -154,14 +154,34 @@ __device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows
   gemm_frags_by_tile<Op, kRows, T>(frags, tile_address(b), acc, std::make_integer_sequence<int, kRows / 16>{});
 }
 
+// T of this thread's key columns of a tile (the pairs 8n + 2 quad, +1), from shared memory: where
+// it is read (suffix_pair), or all of it into registers beforehand (SuffixInRegisters: loaded
+// while the products run, the scores' FFMAs no longer wait on the loads; the warp-specialised
+// forward, version 76).
+__device__ __forceinline__ float2 suffix_pair(const float* Tk, int n, int quad) {
+  return *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
+}
+template <int kCols>
+struct SuffixInRegisters {
+  float2 pair[kCols / 8];
+  __device__ __forceinline__ void load(const float* Tk) {
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) pair[n] = suffix_pair(Tk, n, threadIdx.x & 3);
+  }
+};
+template <int kCols>
+__device__ __forceinline__ float2 suffix_pair(const SuffixInRegisters<kCols>& t, int n, int) {
+  return t.pair[n];
+}
+
 // The scores of this thread's two rows (hi = 0, 1) against a tile of kCols keys, log2 domain:
 // x = S * scale_log2 + T_j (+ shift[hi] with kRowTerm), -inf past column last_col[hi] (causal) or
 // before first_col (first_key) when kMasked. Hands every (accumulator index, hi, x) to `use`.
 // T_j is in log2 units (gate_suffix_kernel), so the bias -R_j = T_j - C costs no arithmetic per
 // key: the tile's C and the row terms ride in one shift per row (the forward leaves it out of x
 // and moves its row maximum instead: a softmax does not change under a constant per row).
-template <bool kMasked, int kCols, bool kRowTerm, class Use>
-__device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const float* Tk,
+template <bool kMasked, int kCols, bool kRowTerm, class Use, class Suffix = const float*>
+__device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const Suffix& Tk,
                                                const float (&shift)[2], float scale_log2,
                                                const int64_t (&last_col)[2], int64_t first_col,
                                                Use&& use) {
@@ -174,7 +194,7 @@ __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], con
   }
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
-    const float2 t2 = *reinterpret_cast<const float2*>(Tk + n * 8 + quad * 2);
+    const float2 t2 = suffix_pair(Tk, n, quad);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int hi = e >> 1;
@@ -474,8 +494,8 @@ __device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, int6
 // scores are x' = x + C (C = carry): row_max stays in the frame of x, the exponent subtracts
 // row_max + C. correction[hi] rescales what the row had (O, its sum), tile_sum[hi] is the sum of
 // its new p.
-template <int kCols>
-__device__ __forceinline__ void softmax_tile(float (&sc)[kCols / 2], const float* Tk, float carry,
+template <int kCols, class Suffix>
+__device__ __forceinline__ void softmax_tile(float (&sc)[kCols / 2], const Suffix& Tk, float carry,
                                              float scale_log2, bool masked, const int64_t (&last_col)[2],
                                              int64_t first_col, float (&row_max)[2], float (&correction)[2],
                                              float (&tile_sum)[2]) {
@@ -720,7 +740,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     cute::warpgroup_wait<0>();
     fence_registers(sc);
 
-    // Bias, masks and the online softmax (int32 column limits, relative to the tile).
+    // Bias, masks and the online softmax (int32 column limits, relative to the tile). (T stays in
+    // shared memory: its registers ahead of the wait spill at head dim 64, version 76.)
     const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
     float correction[2], tile_sum[2];
     softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
@@ -1058,11 +1079,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     };
     // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
     // rescaled later, once the P V in flight has landed.
+    SuffixInRegisters<kBlockN> t;  // T of tile it, loaded while its S is computed
     auto softmax = [&](int it, float (&correction)[2], float (&tile_sum)[2]) {
       const int64_t j0 = (kt_top - it) * kBlockN;
       const float* Tk = pipe.suffix(g + it);
       const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
-      softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
+      softmax_tile<kBlockN>(sc, t, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
                             s.first_key - j0, row_max, correction, tile_sum);
       carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
     };
@@ -1083,6 +1105,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(g), sc);
       cute::warpgroup_commit_batch();
       turns.pass(false);
+      t.load(pipe.suffix(g));
       cute::warpgroup_wait<0>();
       fence_registers(sc);
       {
@@ -1101,6 +1124,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, pipe.values(g + it - 1), o);
         cute::warpgroup_commit_batch();
         turns.pass(false);
+        t.load(pipe.suffix(g + it));
         cute::warpgroup_wait<1>();
         fence_registers(sc);
         float correction[2], tile_sum[2];
