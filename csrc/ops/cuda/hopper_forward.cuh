@@ -485,7 +485,8 @@ struct GateAnchor {
 template <int kKeys>
 __device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, int64_t j0, int64_t L,
                                               float prune_log2) {
-  return -(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2;
+  // (Without pruning, -inf: no read of T, which the walk would otherwise wait on every tile.)
+  return prune_log2 > -INFINITY && -(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2;
 }
 
 // The online softmax of one key tile for this thread's two query rows, log2 domain: the scores
