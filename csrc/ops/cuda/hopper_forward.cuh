@@ -140,18 +140,19 @@ __device__ __forceinline__ void gemm_rows_by_tile(const T* a, int a_row0, const 
                                                      acc, std::make_integer_sequence<int, kHeadDim / 16>{});
 }
 
-// acc (64 x head dim) += P (64 x kRows, A fragments of kRows / 16 k-steps) times tile B
-// (kRows x head dim) read transposed: its rows are the k dimension (leading byte offset: the
-// next 64-column block of the tile).
-template <class Op, int kRows, typename T, int N, int... KS>
-__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows / 16][4], uint32_t b,
+// acc (64 x head dim) += P (64 x 16 kSteps, A fragments of kSteps k-steps) times the first 16
+// kSteps rows of tile B (kRows x head dim) read transposed: its rows are the k dimension (leading
+// byte offset: the next 64-column block of the tile).
+template <class Op, int kRows, typename T, int N, int kSteps, int... KS>
+__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kSteps][4], uint32_t b,
                                                    float (&acc)[N], std::integer_sequence<int, KS...>) {
   (gmma_rs<Op>(frags[KS], sw128_descriptor<KS * 16 * 64 * sizeof(T), kRows * 128, 1024>(b), acc), ...);
 }
-template <class Op, int kRows, typename T, int N>
-__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kRows / 16][4],
-                                                   const T* b, float (&acc)[N]) {
-  gemm_frags_by_tile<Op, kRows, T>(frags, tile_address(b), acc, std::make_integer_sequence<int, kRows / 16>{});
+template <class Op, int kRows, typename T, int N, int kSteps>
+__device__ __forceinline__ void gemm_frags_by_tile(const uint32_t (&frags)[kSteps][4], const T* b,
+                                                   float (&acc)[N]) {
+  static_assert(16 * kSteps <= kRows, "the k-steps must lie inside the tile");
+  gemm_frags_by_tile<Op, kRows, T>(frags, tile_address(b), acc, std::make_integer_sequence<int, kSteps>{});
 }
 
 // T of this thread's key columns of a tile (the pairs 8n + 2 quad, +1), from shared memory: where
@@ -622,7 +623,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
                    const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = ForwardSmem<kHeadDim>;
-  using GmmaS = typename Gmma<T, kBlockN>::SS;
   using GmmaPV = typename Gmma<T, kHeadDim>::RS;
   constexpr int kDimChunks = kHeadDim / 8;  // 8-column chunks of O
   extern __shared__ unsigned char smem_raw[];
@@ -732,32 +732,44 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
       handoff.release(it);
       continue;
     }
-    // S = Q K^T for this warpgroup's 64 rows x 128 keys.
-    float sc[kBlockN / 2];
-    cute::warpgroup_arrive();
-    gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
-    cute::warpgroup_commit_batch();
-    if (handoff.decoupled) prefetch_next();
-    cute::warpgroup_wait<0>();
-    fence_registers(sc);
+    // The tile's products and softmax over its first kCols keys (all of them, or half on the
+    // diagonal, below).
+    auto compute_tile = [&](auto cols) {
+      constexpr int kCols = decltype(cols)::value;
+      // S = Q K^T for this warpgroup's 64 rows x kCols keys.
+      float sc[kCols / 2];
+      cute::warpgroup_arrive();
+      gemm_rows_by_tile<typename Gmma<T, kCols>::SS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, Ks, sc);
+      cute::warpgroup_commit_batch();
+      if (handoff.decoupled) prefetch_next();
+      cute::warpgroup_wait<0>();
+      fence_registers(sc);
 
-    // Bias, masks and the online softmax (int32 column limits, relative to the tile). (T stays in
-    // shared memory: its registers ahead of the wait spill at head dim 64, version 76.)
-    const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
-    float correction[2], tile_sum[2];
-    softmax_tile<kBlockN>(sc, Tk, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
+      // Bias, masks and the online softmax (int32 column limits, relative to the tile). (T stays in
+      // shared memory: its registers ahead of the wait spill at head dim 64, version 76.)
+      const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+      float correction[2], tile_sum[2];
+      softmax_tile<kCols>(sc, Tk, carry, scale_log2, j0 + kCols - 1 > a || j0 < s.first_key, last_col,
                           s.first_key - j0, row_max, correction, tile_sum);
-    uint32_t p_frag[kBlockN / 16][4];
-    rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
+      uint32_t p_frag[kCols / 16][4];
+      rescale_and_pack<T, kHeadDim, kCols>(sc, correction, tile_sum, o, row_sum, p_frag);
 
-    // O += P V
-    fence_registers(o);
-    cute::warpgroup_arrive();
-    gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vs, o);
-    cute::warpgroup_commit_batch();
-    carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
-    cute::warpgroup_wait<0>();
-    fence_registers(o);
+      // O += P V
+      fence_registers(o);
+      cute::warpgroup_arrive();
+      gemm_frags_by_tile<GmmaPV, kBlockN>(p_frag, Vs, o);
+      cute::warpgroup_commit_batch();
+      carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
+      cute::warpgroup_wait<0>();
+      fence_registers(o);
+    };
+    // On the diagonal tile every row of this warpgroup may end before the tile's second half
+    // (aligned tiles: warpgroup 0's rows see keys j0 .. j0 + 63 at most): S, the softmax and P V
+    // over the first 64 keys only, the same scores and sums (the masked half adds exact zeros).
+    if (a + 64 * wg + 63 - j0 < kBlockN / 2)
+      compute_tile(std::integral_constant<int, kBlockN / 2>{});
+    else
+      compute_tile(std::integral_constant<int, kBlockN>{});
     handoff.release(it);
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the block is gone
@@ -1081,14 +1093,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // The softmax of tile it on this thread's scores (in place: sc holds p afterwards); O is
     // rescaled later, once the P V in flight has landed.
     SuffixInRegisters<kBlockN> t;  // T of tile it, loaded while its S is computed
-    auto softmax = [&](int it, float (&correction)[2], float (&tile_sum)[2]) {
+    auto softmax_of = [&](int it, auto& scores, float (&correction)[2], float (&tile_sum)[2]) {
+      constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(scores)>>);
       const int64_t j0 = (kt_top - it) * kBlockN;
       const float* Tk = pipe.suffix(g + it);
       const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
-      softmax_tile<kBlockN>(sc, t, carry, scale_log2, j0 + kBlockN - 1 > a || j0 < s.first_key, last_col,
-                            s.first_key - j0, row_max, correction, tile_sum);
+      softmax_tile<kCols>(scores, t, carry, scale_log2, j0 + kCols - 1 > a || j0 < s.first_key, last_col,
+                          s.first_key - j0, row_max, correction, tile_sum);
       carry -= Tk[0];  // C_{kt-1} = C_kt - T_kt[kt * 128]
     };
+    auto softmax = [&](int it, float (&correction)[2], float (&tile_sum)[2]) {
+      softmax_of(it, sc, correction, tile_sum);
+    };
+
     // The queries may be overwritten once both warpgroups have read their last S.
     auto release_queries = [&] {
       fence_async_proxy();  // the products' reads before the producer's copies of the next queries
@@ -1099,21 +1116,36 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     fence_async_proxy();  // (Q, and a partial tile 0, came by cp.async)
     int it = 1;
     const bool walked = !pruned(0);
+    // Tile 0 is the diagonal's: where this warpgroup's rows end before its second half (aligned
+    // tiles: warpgroup 0), S and the softmax cover its first 64 keys only, and P is 0 on the rest.
+    // (P V stays whole: a branch between the products of one stage serialises every wgmma.)
+    const bool half_first = a + 64 * wg + 63 - kt_top * kBlockN < kBlockN / 2;
     if (walked) {
-      // Tile 0: S alone.
-      turns.wait(true);
-      cute::warpgroup_arrive();
-      gemm_rows_by_tile<GmmaS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(g), sc);
-      cute::warpgroup_commit_batch();
-      turns.pass(false);
-      t.load(pipe.suffix(g));
-      cute::warpgroup_wait<0>();
-      fence_registers(sc);
-      {
+      // Tile 0: S alone (over its first kCols keys).
+      auto first_tile = [&](auto cols) {
+        constexpr int kCols = decltype(cols)::value;
+        float s0[kCols / 2];
+        turns.wait(true);
+        cute::warpgroup_arrive();
+        gemm_rows_by_tile<typename Gmma<T, kCols>::SS, kHeadDim, kBlockM, kBlockN>(Qs, 64 * wg, pipe.keys(g), s0);
+        cute::warpgroup_commit_batch();
+        turns.pass(false);
+        t.load(pipe.suffix(g));
+        cute::warpgroup_wait<0>();
+        fence_registers(s0);
         float correction[2], tile_sum[2];
-        softmax(0, correction, tile_sum);
-        rescale_and_pack<T, kHeadDim, kBlockN>(sc, correction, tile_sum, o, row_sum, p_frag);
-      }
+        softmax_of(0, s0, correction, tile_sum);
+        uint32_t (&p0)[kCols / 16][4] = reinterpret_cast<uint32_t(&)[kCols / 16][4]>(p_frag);
+        rescale_and_pack<T, kHeadDim, kCols>(s0, correction, tile_sum, o, row_sum, p0);
+#pragma unroll
+        for (int k = kCols / 16; k < kBlockN / 16; ++k)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) p_frag[k][r] = 0u;
+      };
+      if (half_first)
+        first_tile(std::integral_constant<int, kBlockN / 2>{});
+      else
+        first_tile(std::integral_constant<int, kBlockN>{});
       for (; it < n_tiles; ++it) {
         pipe.wait_loaded(g + it);
         if (pruned(it)) break;
