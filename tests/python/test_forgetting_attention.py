@@ -105,6 +105,18 @@ def test_lengths(device, dtype, seqlen_q, seqlen_k):
                                          dtype=dtype, device=device))
 
 
+# Queries offset from the keys (Tq < Tk) by 1, 40, 64, 65 and 127 positions past a 128-key tile:
+# where a query tile's rows end on its diagonal tile decides whether each of its two 64-row
+# halves needs that tile's first 64 keys only (the Hopper forwards then compute S and the
+# softmax over those alone). Both halves hold queries (Tq = 300).
+@pytest.mark.parametrize("offset", [1, 40, 64, 65, 127])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_query_offsets_around_a_key_tile(device, head_dim, offset):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    check_against_reference(*make_inputs(B=1, Tq=300, Tk=300 + 128 + offset, H=2, D=head_dim,
+                                         dtype=dtype, device=device))
+
+
 @pytest.mark.parametrize("regime", ["zero", "tiny", "normal", "strong", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_gate_regimes(device, dtype, regime):

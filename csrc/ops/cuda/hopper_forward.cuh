@@ -1118,7 +1118,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const bool walked = !pruned(0);
     // Tile 0 is the diagonal's: where this warpgroup's rows end before its second half (aligned
     // tiles: warpgroup 0), S and the softmax cover its first 64 keys only, and P is 0 on the rest.
-    // (P V stays whole: a branch between the products of one stage serialises every wgmma.)
+    // (P V stays whole, over P's zeros: a P V of 4 k-steps after tile 0, in a peeled first
+    // iteration or behind a branch, made ptxas serialise every wgmma of the kernel.)
     const bool half_first = a + 64 * wg + 63 - kt_top * kBlockN < kBlockN / 2;
     if (walked) {
       // Tile 0: S alone (over its first kCols keys).
