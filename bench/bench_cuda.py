@@ -328,8 +328,8 @@ def main():
     sizes = [2048, 16384] if args.quick else [2048, 4096, 8192, 16384]
     print("\n| D | H | N | B | ours fwd | ours+ACP fwd | flex fwd | sdpa fwd | ours f+b | ours+ACP f+b "
           "| flex f+b | flex f+b q,k,v | sdpa f+b | ours/flex fwd | ours/flex f+b | ours+ACP/flex f+b "
-          "| ours/flex f+b q,k,v | ours/sdpa fwd |")
-    print("|---" * 18 + "|")
+          "| ours/flex f+b q,k,v | ours/sdpa fwd | ours/sdpa f+b |")
+    print("|---" * 19 + "|")
     for D, H in ((64, 32), (128, 16)):
         for N in sizes:
             torch.cuda.empty_cache()
@@ -343,7 +343,7 @@ def main():
                   f"{f('flex_fb_tf')} | {f('flex_fb_qkv_tf')} | {f('sdpa_fb_tf')} | "
                   f"{ratio('ours_fwd_tf', 'flex_fwd_tf')} | {ratio('ours_fb_tf', 'flex_fb_tf')} | "
                   f"{ratio('acp_fb_tf', 'flex_fb_tf')} | {ratio('ours_fb_tf', 'flex_fb_qkv_tf')} | "
-                  f"{ratio('ours_fwd_tf', 'sdpa_fwd_tf')} |", flush=True)
+                  f"{ratio('ours_fwd_tf', 'sdpa_fwd_tf')} | {ratio('ours_fb_tf', 'sdpa_fb_tf')} |", flush=True)
     print()
     for B, Tk in ((1, 32768), (8, 32768), (1, 131072)):
         d = bench_decode(B=B, Tk=Tk)
