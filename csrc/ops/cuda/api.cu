@@ -439,7 +439,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     if constexpr (!std::is_same_v<T, float>) {
       if (tensor_cores) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          if (hopper_kernels_enabled() && hopper_kernels_available()) {
+          // (The Hopper dK/dV kernel counts positions inside a sequence in 32 bits.)
+          const bool positions_in_32_bits = std::max(max_len_q, max_len_k) < (int64_t{1} << 31);
+          if (hopper_kernels_enabled() && hopper_kernels_available() && positions_in_32_bits) {
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
             auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
             ws.query_bias = query_bias.data_ptr<float>();

@@ -110,19 +110,28 @@ __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
 }
 
 // Order of the blocks of a causal walk over (row = sequence * heads + head, tile). Rows are
-// taken in sections of about kSectionBytes of walked tiles (K and V, or Q and dO), which stay in
+// taken in sections of about section_bytes of walked tiles (K and V, or Q and dO), which stay in
 // L2 while the section runs; inside a section the tiles of most work come first for every row
 // (rank 0 = the longest walk), so that a section's short walks run beside the next section's long
 // ones and the shortest walks of the last section make the tail. One row per section is the
-// order of (row, tile), tile fastest. 8 MB: on an H200 4 MB measured slower and 32 MB gained at
-// one size only (bench/NOTES.md, version 39); 8 MB also leaves room in smaller L2s.
+// order of (row, tile), tile fastest. Blocks per key tile (dK/dV, walking query tiles): 8 MB; on
+// an H200 4 MB measured slower and 32 MB gained at one size only (bench/NOTES.md, version 39).
+// Blocks per query tile (forward, dQ, walking key tiles): 16 MB, -1% to -2% forward time at head
+// dim 64 against 8 MB and the same at 128 (version 91); both leave room in a 40 MB L2.
 struct TileOrder {
   int64_t row = 0, rank = 0;
 };
-constexpr int64_t kSectionBytes = 8 << 20;
+#ifndef FOX_SECTION_MIB_KEY_BLOCKS
+#define FOX_SECTION_MIB_KEY_BLOCKS 8
+#endif
+#ifndef FOX_SECTION_MIB_QUERY_BLOCKS
+#define FOX_SECTION_MIB_QUERY_BLOCKS 16
+#endif
+constexpr int64_t kSectionBytesKeyBlocks = int64_t{FOX_SECTION_MIB_KEY_BLOCKS} << 20;  // a block per key tile
+constexpr int64_t kSectionBytesQueryBlocks = int64_t{FOX_SECTION_MIB_QUERY_BLOCKS} << 20;  // per query tile
 __device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes,
-                                                      int64_t b = blockIdx.x) {
-  const int64_t rows_fitting = row_bytes > kSectionBytes ? 0 : quotient32(kSectionBytes, max64(row_bytes, 1));
+                                                      int64_t section_bytes, int64_t b = blockIdx.x) {
+  const int64_t rows_fitting = row_bytes > section_bytes ? 0 : quotient32(section_bytes, max64(row_bytes, 1));
   const int64_t per_section = max64(1, min64(rows, rows_fitting));
   const int64_t section = quotient32(b, per_section * num_tiles), first_row = section * per_section;
   const int64_t in_section = b - first_row * num_tiles;
@@ -155,7 +164,8 @@ __device__ __forceinline__ QueryTile query_tile(const ForwardParams& p, int64_t 
 }
 __device__ __forceinline__ QueryTile query_tile_at(const ForwardParams& p, int64_t num_tiles, int block_m,
                                                    int64_t index) {
-  const TileOrder o = block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim, index);
+  const TileOrder o =
+      block_tile_order(p.batch * p.num_heads, num_tiles, 4 * p.seqlen_k * p.head_dim, kSectionBytesQueryBlocks, index);
   return query_tile(p, o.row, num_tiles - 1 - o.rank, block_m);
 }
 __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, int64_t num_tiles, int block_m,
@@ -175,7 +185,7 @@ struct KeyTile {
 __device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles,
                                                   int block_n, bool last_first = false) {
   const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
-                                       4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head());
+                                       4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head(), kSectionBytesKeyBlocks);
   const int64_t tile = last_first ? num_tiles - 1 - o.rank : o.rank;
   const int64_t sequence = quotient32(o.row, p.num_kv_heads);
   return {p.sequence(sequence), o.row - sequence * p.num_kv_heads, tile * block_n};

@@ -409,10 +409,14 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const bool in_turns = kFusedDq && ws.dq_turns != nullptr;
   const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns);
   const SequenceView s = kt.s;
-  const int64_t hk = kt.hk, j0 = kt.j0, tile = j0 / kBlockN;
-  if (j0 >= s.len_k) return;
-  const int nk = static_cast<int>(min64(kBlockN, s.len_k - j0));
-  const int64_t offset = s.len_k - s.len_q;  // query i sits at position i + offset
+  // Positions inside the sequence in 32 bits (a sequence stays below 2^31 of them).
+  const int len_q = static_cast<int>(s.len_q), len_k = static_cast<int>(s.len_k);
+  const int first_key = static_cast<int>(s.first_key);
+  const int64_t hk = kt.hk;
+  const int j0 = static_cast<int>(kt.j0), tile = j0 / kBlockN;
+  if (j0 >= len_k) return;
+  const int nk = min(kBlockN, len_k - j0);
+  const int offset = len_k - len_q;  // query i sits at position i + offset
   const int64_t heads_per_group = p.heads_per_kv_head();
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async. With TMA the
@@ -421,9 +425,9 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const bool use_tma = maps.enabled != 0;
   const TileHandoff handoff(base + Smem::kOffHandoff, use_tma && FOX_HOPPER_DKDV_DECOUPLED, use_tma,
                             kFusedDq ? 1 + 32 : -1);
-  const int64_t qt_begin = max64(0, j0 - offset) / kQueries;
-  const bool any_key = j0 + nk - 1 >= s.first_key;
-  int64_t it = 0;
+  const int qt_begin = max(0, j0 - offset) / kQueries;
+  const bool any_key = j0 + nk - 1 >= first_key;
+  int it = 0;  // ring position of the query tiles
   int n_staged = 0;  // fused: dQ tiles handed to the writer
   if constexpr (kFusedDq) {
     // (run_hopper_backward fuses only with TMA and without pruning)
@@ -490,7 +494,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       const int64_t j = j0 + threadIdx.x;
       cp_async_4(Tk + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
     }
-    const bool any_query = any_key && qt_begin * kQueries < s.len_q;
+    const bool any_query = any_key && qt_begin * kQueries < len_q;
     if (!kFusedDq && any_query) {
       handoff.wait_free(it);  // (free since the barrier above; the wait keeps the phases in step)
       load_queries(qt_begin, it);
@@ -506,28 +510,28 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
     const float r_last = c_cur - Tk[nk - 1];  // R of the last key (c_cur moves on with the queries)
     // When the first query lies tiles above the keys (seqlen_q < seqlen_k), C of its 128-tile:
     // the T of the boundaries in between, summed by every warp alike (xor butterfly).
-    const int64_t first_tile = (qt_begin * kQueries + offset) / kBlockN;
+    const int first_tile = (qt_begin * kQueries + offset) / kBlockN;
     if (any_query && first_tile > tile) {
       float sum = 0.f;
-      for (int64_t u = tile + 1 + lane; u <= first_tile; u += 32) sum += T_[u * kBlockN];
+      for (int u = tile + 1 + lane; u <= first_tile; u += 32) sum += T_[static_cast<int64_t>(u) * kBlockN];
       c_cur += warp_sum(sum);
     }
     // first position of the 128-tile after the one c_cur belongs to
-    int64_t boundary = (max64(first_tile, tile) + 1) * kBlockN;
+    int boundary = (max(first_tile, tile) + 1) * kBlockN;
     const float prune_log2 = p.prune_threshold * kLog2e;
 
-    for (int64_t qt = qt_begin; any_query && qt * kQueries < s.len_q; ++qt, ++it) {
+    for (int qt = qt_begin; any_query && qt * kQueries < len_q; ++qt, ++it) {
       const int st = warp_uniform(static_cast<int>(it & 1));
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
       const float* Tq = stats + 3 * st * kQueries;
       const float* qbias = Tq + kQueries;
       const float* delta_q = qbias + kQueries;
-      const int64_t i0 = qt * kQueries, p0 = i0 + offset;
-      const int nq = static_cast<int>(min64(kQueries, s.len_q - i0));
+      const int i0 = qt * kQueries, p0 = i0 + offset;
+      const int nq = min(kQueries, len_q - i0);
       handoff.wait_loaded(it);
       // C of the positions at and after the boundary, when it falls in this query tile.
-      const int64_t kb = boundary - p0;
+      const int kb = boundary - p0;
       const float c_next = kb >= 0 && kb < kQueries ? c_cur + Tq[kb] : c_cur;
       // Largest bias of the pair: the first query against the last key (0 when they overlap).
       const float r_first = (p0 >= boundary ? c_next : c_cur) - Tq[0];
@@ -536,7 +540,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         handoff.release(it++);
         break;
       }
-      if (!kFusedDq && (qt + 1) * kQueries < s.len_q) {
+      if (!kFusedDq && (qt + 1) * kQueries < len_q) {
         handoff.wait_free(it + 1);
         load_queries(qt + 1, it + 1);
       }
@@ -554,7 +558,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       // C_p is c_cur before the boundary and c_next from it on, so that a tile the boundary does not
       // cross costs one shift per key row and no arithmetic per column. The masked variant (the
       // tiles that meet the diagonal, first_key, an end or the boundary) picks C per column.
-      const int kb32 = static_cast<int>(max64(-1, min64(kQueries, kb)));
+      const int kb32 = max(-1, min(kQueries, kb));
       const bool crossing = kb32 > 0 && kb32 < kQueries;
       float shift_lo[2], shift_hi[2];  // C - R_k before and from the boundary
 #pragma unroll
@@ -565,8 +569,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       auto probabilities = [&](auto masked) {
         int shift = 0, key_lo = 0;
         if constexpr (decltype(masked)::value) {
-          shift = static_cast<int>(max64(-4 * kBlockN, min64(4 * kBlockN, j0 - p0)));
-          key_lo = static_cast<int>(max64(0, min64(kBlockN, s.first_key - j0)));
+          shift = max(-4 * kBlockN, min(4 * kBlockN, j0 - p0));
+          key_lo = max(0, min(kBlockN, first_key - j0));
         }
 #pragma unroll
         for (int n = 0; n < kQueries / 8; ++n) {
@@ -592,7 +596,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
           }
         }
       };
-      if (p0 < j0 + kBlockN - 1 || j0 < s.first_key || nq < kQueries || nk < kBlockN || crossing)
+      if (p0 < j0 + kBlockN - 1 || j0 < first_key || nq < kQueries || nk < kBlockN || crossing)
         probabilities(std::true_type{});
       else
         probabilities(std::false_type{});
@@ -703,8 +707,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         fence_async_proxy();
         if (threadIdx.x == 0) {
           // The turn: the key tiles after this one up to the diagonal's add first.
-          const int64_t diagonal = min64((p0 + nq - 1) / kBlockN, (s.len_k - 1) / kBlockN);
-          dq_slots[sb] = {stat + i0, static_cast<int32_t>(diagonal - tile), nq};
+          const int diagonal = min((p0 + nq - 1) / kBlockN, (len_k - 1) / kBlockN);
+          dq_slots[sb] = {stat + i0, diagonal - tile, nq};
         }
         __syncwarp();
         if (lane == 0) {  // this warp's dQ^T has read dS^T, its part of the staging tile is written
