@@ -10,14 +10,11 @@
 // with dQ added in turns; --nondeterministic: in any order; --heads: H heads instead of 32 / 16.)
 //
 // Built with the Catch2 tests (FOX_BUILD_TESTS=1, or FOX_BUILD_BENCH=1) into build/cmake; needs an
-// sm_90 GPU. To compare a change of the kernels with the kept code, build the program from both
-// source trees (its includes come from -I) and run the two alternately, one process each, three
-// pairs or more: the medians of one build move by 1-3% from run to run (single outliers more),
-// less than between processes of PyTorch timing the same kernel (up to 5-10%); equal checksums
-// mean equal results, e.g.
-//
-//   nvcc -std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -arch=sm_90a -I<cutlass>/include \
-//     -I<tree>/csrc -I<tree>/csrc/ops/cuda bench/attention_kernel_timing.cu <tree>/csrc/ops/cuda/tma.cu
+// sm_90 GPU. To compare a change of the kernels with the kept code, link both builds into
+// attention_kernel_ab.cu's program, which alternates them call by call (its header has the
+// commands): separate processes of one build move by several percent between runs (bench/NOTES.md,
+// versions 90-91). Equal checksums mean equal results. This file also serves that program: with
+// FOX_TIMING_NO_MAIN it leaves out main() and exports the cells (fox::bench::attention_cell_*).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
