@@ -300,7 +300,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const int64_t max_len_q = max_sequence_length(idx, q.size(1));
   check_grid(((max_len_q + 31) / 32) * p.num_heads * p.batch);
 
-  const bool hopper = tensor_cores && hopper_kernels_enabled() && hopper_kernels_available();
+  // (The Hopper kernels count positions inside a sequence in 32 bits; a sequence is at most as
+  // long as its tensor.)
+  const bool positions_in_32_bits = std::max(q.size(1), k.size(1)) < (int64_t{1} << 31);
+  const bool hopper =
+      tensor_cores && hopper_kernels_enabled() && hopper_kernels_available() && positions_in_32_bits;
   auto f32 = q.options().dtype(at::kFloat);
   if (decode) {
     FOX_ELEMENT_SWITCH(type, T, [&] {
@@ -439,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     if constexpr (!std::is_same_v<T, float>) {
       if (tensor_cores) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          // (The Hopper dK/dV kernel counts positions inside a sequence in 32 bits.)
+          // (The Hopper kernels count positions inside a sequence in 32 bits.)
           const bool positions_in_32_bits = std::max(max_len_q, max_len_k) < (int64_t{1} << 31);
           if (hopper_kernels_enabled() && hopper_kernels_available() && positions_in_32_bits) {
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);

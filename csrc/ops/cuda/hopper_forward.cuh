@@ -181,17 +181,16 @@ __device__ __forceinline__ float2 suffix_pair(const SuffixInRegisters<kCols>& t,
 // T_j is in log2 units (gate_suffix_kernel), so the bias -R_j = T_j - C costs no arithmetic per
 // key: the tile's C and the row terms ride in one shift per row (the forward leaves it out of x
 // and moves its row maximum instead: a softmax does not change under a constant per row).
-template <bool kMasked, int kCols, bool kRowTerm, class Use, class Suffix = const float*>
+template <bool kMasked, int kCols, bool kRowTerm, class Use, class Suffix = const float*, class Index = int64_t>
 __device__ __forceinline__ void for_each_score(const float (&sc)[kCols / 2], const Suffix& Tk,
                                                const float (&shift)[2], float scale_log2,
-                                               const int64_t (&last_col)[2], int64_t first_col,
-                                               Use&& use) {
+                                               const Index (&last_col)[2], Index first_col, Use&& use) {
   const int quad = threadIdx.x & 3;
   int hi_col[2] = {0, 0}, lo_col = 0;
   if constexpr (kMasked) {  // int32 column limits relative to the tile
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) hi_col[hi] = static_cast<int>(max64(-1, min64(kCols, last_col[hi])));
-    lo_col = static_cast<int>(max64(0, min64(kCols, first_col)));
+    for (int hi = 0; hi < 2; ++hi) hi_col[hi] = static_cast<int>(max(Index{-1}, min(Index{kCols}, last_col[hi])));
+    lo_col = static_cast<int>(max(Index{0}, min(Index{kCols}, first_col)));
   }
 #pragma unroll
   for (int n = 0; n < kCols / 8; ++n) {
@@ -382,7 +381,7 @@ struct TileHandoff {
   // thread 0 unless a producer warp names its lane, issues) once the stage is free, before
   // loaded(it, true).
   template <int kRows, int kHeadDim, typename T>
-  __device__ __forceinline__ void copy(T* a, T* b, const TileMaps& maps, int64_t it, int64_t row, int64_t head,
+  __device__ __forceinline__ void copy(T* a, T* b, const TileMaps& maps, int it, int64_t row, int64_t head,
                                        int64_t batch, bool issuer = threadIdx.x == 0) const {
     if (!issuer) return;
     uint64_t* bar = full + (it & 1);
@@ -394,7 +393,7 @@ struct TileHandoff {
     }
   }
   // This thread has issued its copies of tile `it` (`by_tma`: the tile came by copy()).
-  __device__ __forceinline__ void loaded(int64_t it, bool by_tma = false) const {
+  __device__ __forceinline__ void loaded(int it, bool by_tma = false) const {
     if (tma && !by_tma && threadIdx.x == 0) mbarrier_arrive(full + (it & 1));
     if (decoupled)
       cp_async_arrive(full + (it & 1));
@@ -402,7 +401,7 @@ struct TileHandoff {
       cp_async_commit();
   }
   // Waits until tile `it` is readable (with a barrier: and every thread is done with tile it - 1).
-  __device__ __forceinline__ void wait_loaded(int64_t it) const {
+  __device__ __forceinline__ void wait_loaded(int it) const {
     if (decoupled || tma) mbarrier_wait(full + (it & 1), static_cast<uint32_t>((it >> 1) & 1));
     if (!decoupled) {
       cp_async_wait<0>();
@@ -413,11 +412,11 @@ struct TileHandoff {
     }
   }
   // Before loading tile `it`: every thread is done with tile it - 2 in the same stage.
-  __device__ __forceinline__ void wait_free(int64_t it) const {
+  __device__ __forceinline__ void wait_free(int it) const {
     if (decoupled && it >= 2) mbarrier_wait(empty + (it & 1), static_cast<uint32_t>(((it - 2) >> 1) & 1));
   }
   // This thread is done reading tile `it`.
-  __device__ __forceinline__ void release(int64_t it) const {
+  __device__ __forceinline__ void release(int it) const {
     if (decoupled) mbarrier_arrive(empty + (it & 1));
   }
 };
@@ -483,11 +482,10 @@ struct GateAnchor {
 // keys at Tk, C of its 128-tile `carry`, L the walk's last key): its largest bias, at its top key,
 // under the threshold. One function for every place that decides, so that the producer of a
 // warp-specialised walk and its math threads decide alike, bit for bit.
-template <int kKeys>
-__device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, int64_t j0, int64_t L,
-                                              float prune_log2) {
+template <int kKeys, class Index>
+__device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, Index j0, Index L, float prune_log2) {
   // (Without pruning, -inf: no read of T, which the walk would otherwise wait on every tile.)
-  return prune_log2 > -INFINITY && -(carry - Tk[min64(kKeys - 1, L - j0)]) < prune_log2;
+  return prune_log2 > -INFINITY && -(carry - Tk[min(Index{kKeys - 1}, L - j0)]) < prune_log2;
 }
 
 // The online softmax of one key tile for this thread's two query rows, log2 domain: the scores
@@ -496,10 +494,10 @@ __device__ __forceinline__ bool walk_stops_at(float carry, const float* Tk, int6
 // scores are x' = x + C (C = carry): row_max stays in the frame of x, the exponent subtracts
 // row_max + C. correction[hi] rescales what the row had (O, its sum), tile_sum[hi] is the sum of
 // its new p.
-template <int kCols, class Suffix>
+template <int kCols, class Suffix, class Index>
 __device__ __forceinline__ void softmax_tile(float (&sc)[kCols / 2], const Suffix& Tk, float carry,
-                                             float scale_log2, bool masked, const int64_t (&last_col)[2],
-                                             int64_t first_col, float (&row_max)[2], float (&correction)[2],
+                                             float scale_log2, bool masked, const Index (&last_col)[2],
+                                             Index first_col, float (&row_max)[2], float (&correction)[2],
                                              float (&tile_sum)[2]) {
   float tile_max[2] = {-INFINITY, -INFINITY};
   const float no_shift[2] = {0.f, 0.f};
@@ -638,17 +636,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const QueryTile qt = block_query_tile(p, num_tiles, kBlockM, kSplit);
   if (qt.nq == 0) return;
   const SequenceView s = qt.s;
-  const int64_t h = qt.h, i0 = qt.i0, a = qt.a, L = qt.L;
+  const int64_t h = qt.h, i0 = qt.i0;
+  // Positions inside the sequence in 32 bits (the op takes this kernel for sequences below 2^31).
+  const int a = static_cast<int>(qt.a), L = static_cast<int>(qt.L), first_key = static_cast<int>(s.first_key);
   const int nq = qt.nq;
   const HeadPointers<T> hp = head_pointers<T>(p, s, h);
   const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const int64_t kt_top = L / kBlockN;  // the tile of the diagonal
-  int64_t kt_hi = kt_top, kt_lo = s.first_key / kBlockN;
+  const int kt_top = L / kBlockN;  // the tile of the diagonal
+  int kt_hi = kt_top, kt_lo = first_key / kBlockN;
   if constexpr (kSplit) {  // this block's chunk of key tiles
     const int64_t chunk = b % num_tiles;
-    kt_hi = min64(kt_hi, (chunk + 1) * split.tiles_per_split - 1);
-    kt_lo = max64(kt_lo, chunk * split.tiles_per_split);
+    kt_hi = static_cast<int>(min64(kt_hi, (chunk + 1) * split.tiles_per_split - 1));
+    kt_lo = static_cast<int>(max64(kt_lo, chunk * split.tiles_per_split));
   }
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
   const bool wg_live = 64 * wg < nq;
@@ -693,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const float prune_log2 = p.prune_threshold * kLog2e;
   if (kt_hi < kt_top) {  // a chunk below the diagonal: C_{t-1} = C_t - T_t[t * 128] down to kt_hi
     float sum = 0.f;
-    for (int64_t u = kt_hi + 1 + lane; u <= kt_top; u += 32) sum += T_[u * kBlockN];
+    for (int u = kt_hi + 1 + lane; u <= kt_top; u += 32) sum += T_[static_cast<int64_t>(u) * kBlockN];
     carry -= warp_sum(sum);  // the same bits in every warp
   }
 
@@ -702,8 +702,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-  for (int64_t kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
-    const int64_t j0 = kt * kBlockN;
+  for (int kt = kt_hi, it = 0; kt >= kt_lo; --kt, ++it) {
+    const int j0 = kt * kBlockN;
     const int stage = warp_uniform(static_cast<int>(it & 1));
     const T* Ks = KV + (2 * stage) * Smem::kTile;
     const T* Vs = Ks + Smem::kTile;
@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     auto prefetch_next = [&] {  // the next tile into the other stage
       if (kt - 1 < kt_lo) return;
       handoff.wait_free(it + 1);
-      const int64_t jn = j0 - kBlockN;
+      const int jn = j0 - kBlockN;
       T* Kn = KV + (2 * (stage ^ 1)) * Smem::kTile;
       if (use_tma) {  // a full tile inside the sequence
         handoff.copy<kBlockN, kHeadDim>(Kn, Kn + Smem::kTile, maps, it + 1, s.row_k + jn, kv_head, s.batch_index);
@@ -747,10 +747,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 
       // Bias, masks and the online softmax (int32 column limits, relative to the tile). (T stays in
       // shared memory: its registers ahead of the wait spill at head dim 64, version 76.)
-      const int64_t last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
+      const int last_col[2] = {a + row_of(0) - j0, a + row_of(1) - j0};
       float correction[2], tile_sum[2];
-      softmax_tile<kCols>(sc, Tk, carry, scale_log2, j0 + kCols - 1 > a || j0 < s.first_key, last_col,
-                          s.first_key - j0, row_max, correction, tile_sum);
+      softmax_tile<kCols>(sc, Tk, carry, scale_log2, j0 + kCols - 1 > a || j0 < first_key, last_col,
+                          first_key - j0, row_max, correction, tile_sum);
       uint32_t p_frag[kCols / 16][4];
       rescale_and_pack<T, kHeadDim, kCols>(sc, correction, tile_sum, o, row_sum, p_frag);
 
