@@ -667,10 +667,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
   const int64_t kv_head = kv_head_of(p, h);
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
-  auto load_suffix = [&](float* dst, int64_t j0) {
+  const int len_k = static_cast<int>(s.len_k);
+  auto load_suffix = [&](float* dst, int j0) {
     if (threadIdx.x < kBlockN) {
-      const int64_t j = j0 + threadIdx.x;
-      cp_async_4(dst + threadIdx.x, T_ + (j < s.len_k ? j : 0), j < s.len_k);
+      const int j = j0 + static_cast<int>(threadIdx.x);
+      cp_async_4(dst + threadIdx.x, T_ + (j < len_k ? j : 0), j < len_k);
     }
   };
 
