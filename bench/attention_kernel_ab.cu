@@ -17,14 +17,13 @@
 //   nvcc $F -I<A>/csrc -I<A>/csrc/ops/cuda -c <A>/csrc/ops/cuda/tma.cu -o a_tma.o
 //   nvcc $F -Dfox=fox_b -I<B>/csrc -I<B>/csrc/ops/cuda -c bench/attention_kernel_timing.cu -o b.o
 //   nvcc $F -Dfox=fox_b -I<B>/csrc -I<B>/csrc/ops/cuda -c <B>/csrc/ops/cuda/tma.cu -o b_tma.o
-//   nvcc -arch=sm_90a bench/attention_kernel_ab.cu a.o a_tma.o b.o b_tma.o -lcuda -o ab
+//   nvcc -arch=sm_90a bench/attention_kernel_ab.cu a.o a_tma.o b.o b_tma.o -o ab
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include <cuda_runtime.h>
+#include "kernel_timing.cuh"
 
 // The two builds' cells (attention_kernel_timing.cu).
 #define FOX_TIMING_CELL_API                                                           \
@@ -104,40 +103,14 @@ void run(int d, int n, int reps, bool fused, bool in_turns, int heads) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 40, only_d = 0, heads = 0;
-  bool fused = false, in_turns = false;
-  std::vector<int> lengths;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = std::max(2, std::atoi(argv[++i]));
-    } else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
-      heads = std::max(1, std::atoi(argv[++i]));
-    } else if (!std::strcmp(argv[i], "--d") && i + 1 < argc) {
-      only_d = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--nondeterministic")) {
-      fused = true;
-    } else if (!std::strcmp(argv[i], "--fused")) {
-      fused = in_turns = true;
-    } else if (std::atoi(argv[i]) >= 128 && std::atoi(argv[i]) <= 16384 && 16384 % std::atoi(argv[i]) == 0) {
-      lengths.push_back(std::atoi(argv[i]));
-    } else {
-      std::fprintf(stderr,
-                   "usage: %s [--reps N] [--d 64|128] [--heads H] [--fused | --nondeterministic] [N ...] "
-                   "(N divides 16384)\n",
-                   argv[0]);
-      return 2;
-    }
-  }
-  if (lengths.empty()) lengths = {2048, 16384};
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9) {
-    std::fprintf(stderr, "the Hopper kernels need an sm_90 GPU\n");
-    return 1;
-  }
+  fox::bench::AttentionTimingOptions o;
+  o.reps = 40;
+  if (!fox::bench::parse_attention_timing_options(argc, argv, o)) return 2;
+  if (o.lengths.empty()) o.lengths = {2048, 16384};
+  if (!fox::bench::hopper_device()) return 1;
   for (int d : {128, 64}) {
-    if (only_d != 0 && d != only_d) continue;
-    for (int n : lengths) run(d, n, reps, fused, in_turns, heads);
+    if (o.only_d != 0 && d != o.only_d) continue;
+    for (int n : o.lengths) run(d, n, o.reps, o.fused, o.in_turns, o.heads);
   }
   return 0;
 }

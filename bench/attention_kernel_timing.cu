@@ -212,38 +212,13 @@ void attention_cell_destroy(void* cell) { delete static_cast<Cell*>(cell); }
 
 #ifndef FOX_TIMING_NO_MAIN
 int main(int argc, char** argv) {
-  int reps = 20, only_d = 0, heads = 0;
-  bool fused = false, in_turns = false;
-  std::vector<int> lengths;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else if (!std::strcmp(argv[i], "--heads") && i + 1 < argc) {
-      heads = std::max(1, std::atoi(argv[++i]));
-    } else if (!std::strcmp(argv[i], "--d") && i + 1 < argc) {
-      only_d = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--nondeterministic")) {
-      fused = true;
-    } else if (!std::strcmp(argv[i], "--fused")) {
-      fused = in_turns = true;
-    } else if (std::atoi(argv[i]) >= 128 && std::atoi(argv[i]) <= 16384 && 16384 % std::atoi(argv[i]) == 0) {
-      lengths.push_back(std::atoi(argv[i]));
-    } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--d 64|128] [--heads H] [--fused | --nondeterministic] [N ...] (N divides 16384)\n", argv[0]);
-      return 2;
-    }
-  }
-  if (lengths.empty()) lengths = {2048, 4096, 8192, 16384};
-  int device = 0, major = 0;
-  check(cudaGetDevice(&device), "device");
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "capability");
-  if (major != 9) {
-    std::fprintf(stderr, "the Hopper kernels need an sm_90 GPU\n");
-    return 1;
-  }
+  fox::bench::AttentionTimingOptions o;
+  if (!fox::bench::parse_attention_timing_options(argc, argv, o)) return 2;
+  if (o.lengths.empty()) o.lengths = {2048, 4096, 8192, 16384};
+  if (!fox::bench::hopper_device()) return 1;
   for (int d : {128, 64}) {
-    if (only_d != 0 && d != only_d) continue;
-    for (int n : lengths) run(d, n, reps, fused, in_turns, heads);
+    if (o.only_d != 0 && d != o.only_d) continue;
+    for (int n : o.lengths) run(d, n, o.reps, o.fused, o.in_turns, o.heads);
   }
   return 0;
 }
