@@ -31,6 +31,7 @@
   void attention_cell_step(void* cell, float* fwd_us, float* bwd_us);                 \
   void attention_cell_checksums(void* cell, double sums[4]);                          \
   double attention_cell_flops(void* cell);                                            \
+  void attention_cell_shape(void* cell, int* heads, int* batch);                      \
   void attention_cell_destroy(void* cell);
 namespace fox::bench {
 FOX_TIMING_CELL_API
@@ -83,10 +84,11 @@ void run(int d, int n, int reps, bool fused, bool in_turns, int heads) {
   double sums[2][4];
   for (int b = 0; b < 2; ++b) kBuilds[b].checksums(cell[b], sums[b]);
   const bool same = std::memcmp(sums[0], sums[1], sizeof(sums[0])) == 0;
-  int heads_used = heads > 0 ? heads : d == 64 ? 32 : 16;
+  int heads_used = 0, batch = 0;
+  fox::bench::attention_cell_shape(cell[0], &heads_used, &batch);
   std::printf("D=%d H=%d N=%d B=%d: fwd A %.1f us B %.1f us (%.0f / %.0f TFLOP/s), B/A %+.2f%% [%+.2f, %+.2f]; "
               "bwd A %.1f us B %.1f us, B/A %+.2f%% [%+.2f, %+.2f]; checksums %s\n",
-              d, heads_used, n, 16384 / n, quantile(fwd[0], 0.5), quantile(fwd[1], 0.5),
+              d, heads_used, n, batch, quantile(fwd[0], 0.5), quantile(fwd[1], 0.5),
               flops / quantile(fwd[0], 0.5) * 1e-6, flops / quantile(fwd[1], 0.5) * 1e-6,
               100 * (quantile(fwd_ratio, 0.5) - 1), 100 * (quantile(fwd_ratio, 0.25) - 1),
               100 * (quantile(fwd_ratio, 0.75) - 1), quantile(bwd[0], 0.5), quantile(bwd[1], 0.5),

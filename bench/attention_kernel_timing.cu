@@ -207,6 +207,10 @@ void* attention_cell_create(int d, int n, int heads, bool fused, bool in_turns) 
 void attention_cell_step(void* cell, float* fwd_us, float* bwd_us) { static_cast<Cell*>(cell)->step(fwd_us, bwd_us); }
 void attention_cell_checksums(void* cell, double sums[4]) { static_cast<Cell*>(cell)->checksums(sums); }
 double attention_cell_flops(void* cell) { return static_cast<Cell*>(cell)->forward_flops(); }
+void attention_cell_shape(void* cell, int* heads, int* batch) {
+  *heads = static_cast<Cell*>(cell)->H;
+  *batch = static_cast<Cell*>(cell)->B;
+}
 void attention_cell_destroy(void* cell) { delete static_cast<Cell*>(cell); }
 }  // namespace fox::bench
 

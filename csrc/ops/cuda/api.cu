@@ -58,6 +58,9 @@ void check_grid(int64_t blocks) {
               blocks, " blocks)");
 }
 
+// The Hopper kernels count positions inside a sequence in 32 bits.
+bool positions_fit_32_bits(int64_t longest_sequence) { return longest_sequence < (int64_t{1} << 31); }
+
 // The tensor-core path loads rows with 16-byte vectors.
 bool rows_are_16_byte_aligned(const at::Tensor& x) {
   const int64_t elems = 16 / x.element_size();
@@ -300,11 +303,9 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const int64_t max_len_q = max_sequence_length(idx, q.size(1));
   check_grid(((max_len_q + 31) / 32) * p.num_heads * p.batch);
 
-  // (The Hopper kernels count positions inside a sequence in 32 bits; a sequence is at most as
-  // long as its tensor.)
-  const bool positions_in_32_bits = std::max(q.size(1), k.size(1)) < (int64_t{1} << 31);
-  const bool hopper =
-      tensor_cores && hopper_kernels_enabled() && hopper_kernels_available() && positions_in_32_bits;
+  // (A sequence is at most as long as its tensor.)
+  const bool hopper = tensor_cores && hopper_kernels_enabled() && hopper_kernels_available() &&
+                      positions_fit_32_bits(std::max(q.size(1), k.size(1)));
   auto f32 = q.options().dtype(at::kFloat);
   if (decode) {
     FOX_ELEMENT_SWITCH(type, T, [&] {
@@ -443,9 +444,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     if constexpr (!std::is_same_v<T, float>) {
       if (tensor_cores) {
         FOX_FAST_HEAD_DIM_SWITCH(p.head_dim, kHeadDim, [&] {
-          // (The Hopper kernels count positions inside a sequence in 32 bits.)
-          const bool positions_in_32_bits = std::max(max_len_q, max_len_k) < (int64_t{1} << 31);
-          if (hopper_kernels_enabled() && hopper_kernels_available() && positions_in_32_bits) {
+          if (hopper_kernels_enabled() && hopper_kernels_available() &&
+              positions_fit_32_bits(std::max(max_len_q, max_len_k))) {
             auto suffix = at::empty({k.size(0), p.num_heads, k.size(1)}, f32);
             auto query_bias = at::empty({q.size(0), q.size(2), q.size(1)}, f32);
             ws.query_bias = query_bias.data_ptr<float>();
