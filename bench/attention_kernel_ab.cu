@@ -10,14 +10,10 @@
 // Prints, per cell, each build's median forward and backward time, the medians of the pair ratios
 // with their quartiles, and whether the checksums of out, dq, dk, dv agree. Built by CMake with
 // both builds from this tree (an A/A program: the ratios then show the method's own spread). For
-// a real comparison build it by hand, e.g. B from a working tree against A from a clean checkout:
+// a real comparison, bench/kernel_ab.sh builds A from a git revision and B from the working tree
+// (with a patch or -D switches if given):
 //
-//   F="-std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -arch=sm_90a -I<cutlass>/include -DFOX_TIMING_NO_MAIN"
-//   nvcc $F -I<A>/csrc -I<A>/csrc/ops/cuda -c bench/attention_kernel_timing.cu -o a.o
-//   nvcc $F -I<A>/csrc -I<A>/csrc/ops/cuda -c <A>/csrc/ops/cuda/tma.cu -o a_tma.o
-//   nvcc $F -Dfox=fox_b -I<B>/csrc -I<B>/csrc/ops/cuda -c bench/attention_kernel_timing.cu -o b.o
-//   nvcc $F -Dfox=fox_b -I<B>/csrc -I<B>/csrc/ops/cuda -c <B>/csrc/ops/cuda/tma.cu -o b_tma.o
-//   nvcc -arch=sm_90a bench/attention_kernel_ab.cu a.o a_tma.o b.o b_tma.o -o ab
+//   bash bench/kernel_ab.sh [--base REV] [--patch FILE] [-- -DSWITCH=VALUE ...]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
