@@ -6,6 +6,8 @@
 #
 # build      pip install -e . (TORCH_CUDA_ARCH_LIST=9.0a unless set)
 # tests      pytest -m cuda (bad-argument cases deselected: see NOTES, "Hygiene run")
+# cuda_table bench_cuda.py --no-flex: the prefill table against SDPA (calls back to back, the two
+#            alternating), decoding and peak memory
 # decode     bench_decode.py, the full grid (Tq = 1; float32 and float16 gates) and Tq 4/16 on
 #            the quick grid
 # decode_kernel  the decoding kernel on its own (fox_decode_kernel_timing: built by `build` here)
@@ -39,6 +41,9 @@ for stage in "$@"; do
       python3 -m pytest tests/python -m cuda -k "not bad" -q -p no:cacheprovider \
         > "$OUT/tests.log" 2>&1 || status=1
       tail -15 "$OUT/tests.log" ;;
+    cuda_table)
+      python3 bench/bench_cuda.py --no-flex 2>&1 | tee "$OUT/cuda_table.log" | grep "^| [0-9]\|^decode\|^peak" \
+        || status=1 ;;
     decode)
       python3 bench/bench_decode.py --f16-gates --out "$OUT" 2>&1 | tee "$OUT/decode.log" | tail -3
       python3 bench/bench_decode.py --quick --tq 4 16 2>&1 | tee "$OUT/decode_tq.log" | tail -2 ;;
