@@ -490,13 +490,16 @@ FUSED_BACKWARD_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, seq_start, varlen lengt
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("case", FUSED_BACKWARD_CASES, ids=[c[0] for c in FUSED_BACKWARD_CASES])
-@pytest.mark.parametrize("order", ["in_turns", "any_order"])
+@pytest.mark.parametrize("order", ["in_turns", "in_turns_walking_down", "any_order"])
 def test_fused_backward(monkeypatch, case, order):
     """On Hopper, the five-product backward whose dQ a writer warpgroup adds up in float32
     (FOX_FUSED_BACKWARD_MIN_LEN=0: at every length, not only long sequences): in turns (the
-    default), bitwise the same on every run; in any order (FOX_NONDETERMINISTIC_BACKWARD=1), which
+    default), bitwise the same on every run, with the walks up from each key tile's diagonal or
+    (FOX_FUSED_WALK_DOWN=1, the default only for the last blocks of a large grid) down to it;
+    in any order (FOX_NONDETERMINISTIC_BACKWARD=1), which
     torch.use_deterministic_algorithms(True) turns off. Same 2x rule against the float64
-    reference; out, dK and dV are the two-kernel backward's bits (FOX_FUSED_BACKWARD=0). In turns
+    reference; out, dK and dV are the two-kernel backward's bits (FOX_FUSED_BACKWARD=0; walking
+    down, dK and dV add the query tiles in the other order). In turns
     the first addition to each row stores it: the workspace starts as NaN here, so a row that no
     key tile writes (and dq_from_accumulator does not zero) shows. (Pruning, the threshold case,
     keeps the two kernels.)"""
@@ -518,6 +521,7 @@ def test_fused_backward(monkeypatch, case, order):
     monkeypatch.delenv("FOX_FUSED_BACKWARD")
     if order == "any_order":
         monkeypatch.setenv("FOX_NONDETERMINISTIC_BACKWARD", "1")
+    monkeypatch.setenv("FOX_FUSED_WALK_DOWN", "1" if order == "in_turns_walking_down" else "0")
     monkeypatch.setenv("FOX_FUSED_BACKWARD_MIN_LEN", "0")
     monkeypatch.setenv("FOX_POISON_FUSED_WORKSPACE", "1")
     (out, grads), kernels = with_kernel_names(
@@ -538,11 +542,11 @@ def test_fused_backward(monkeypatch, case, order):
     # differ by the order of float32 additions.
     assert torch.equal(out, deterministic[0])
     for grad_name, a, b in zip(GRAD_NAMES, grads, deterministic[1]):
-        if grad_name in ("dk", "dv"):
+        if grad_name in ("dk", "dv") and order != "in_turns_walking_down":
             assert torch.equal(a, b), grad_name
         else:
             torch.testing.assert_close(a, b, **same_math_tol(q.dtype))
-    if order == "in_turns":
+    if order != "any_order":
         for _ in range(2):
             again = forward_backward(run, (q, k, v, g), grad_out.to(q.dtype))
             for grad_name, a, b in zip(GRAD_NAMES, again[1], grads):
@@ -560,6 +564,37 @@ def test_fused_backward(monkeypatch, case, order):
         torch.use_deterministic_algorithms(previous)
     for grad_name, a, b in zip(GRAD_NAMES, again[1], in_turns[1]):
         assert torch.equal(a, b), grad_name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_backward_last_blocks_walk_down(monkeypatch, D):
+    """The default backward of a grid large enough that its last section of dK/dV blocks walks
+    down (two waves of blocks before it): within the 2x rule of the float64 reference, bitwise the
+    same on every run, and not the bits of a backward whose walks all go up (FOX_FUSED_WALK_DOWN=0),
+    so the walks down did run. The fast-forgetting half of the heads (log f down to -20) tests C
+    near the keys of a walk that starts 2k positions above them (sums of ~10^4 there)."""
+    torch.manual_seed(0)
+    B, N, H = (2, 2048, 16) if D == 128 else (2, 2048, 32)
+    q, k, v, g = make_inputs(B=B, Tq=N, H=H, D=D, dtype=torch.bfloat16, device="cuda",
+                             regime="mixed")
+    grad_out = torch.randn(q.shape, device="cuda").to(q.dtype)
+    out, grads = forward_backward(op, (q, k, v, g), grad_out)
+    for _ in range(2):
+        again = forward_backward(op, (q, k, v, g), grad_out)[1]
+        for grad_name, a, b in zip(GRAD_NAMES, again, grads):
+            assert torch.equal(a, b), grad_name
+    monkeypatch.setenv("FOX_FUSED_WALK_DOWN", "0")
+    walks_up = forward_backward(op, (q, k, v, g), grad_out)[1]
+    assert not torch.equal(walks_up[1], grads[1])  # dK: the last section's query tiles in another order
+    ref, ref_grads = forward_backward(naive_attention, [x.double() for x in (q, k, v, g)],
+                                      grad_out.double())
+    naive, naive_grads = forward_backward(lambda *x: naive_attention(*x, dtype=q.dtype),
+                                          (q, k, v, g), grad_out)
+    problems = rule_violations(("out",) + GRAD_NAMES, [out] + grads, [ref] + ref_grads,
+                               [naive] + naive_grads, q.dtype)
+    assert not problems, "; ".join(problems)
 
 
 TMA_CASES = [  # (name, B, Tq, Tk, H, Hkv, D, layout)

@@ -129,6 +129,16 @@ struct TileOrder {
 #endif
 constexpr int64_t kSectionBytesKeyBlocks = int64_t{FOX_SECTION_MIB_KEY_BLOCKS} << 20;  // a block per key tile
 constexpr int64_t kSectionBytesQueryBlocks = int64_t{FOX_SECTION_MIB_QUERY_BLOCKS} << 20;  // per query tile
+// Rows of block_tile_order's sections (the same arithmetic, for the host).
+__host__ __device__ constexpr int64_t rows_per_section(int64_t rows, int64_t row_bytes, int64_t section_bytes) {
+  const int64_t fitting = row_bytes > section_bytes ? 0 : section_bytes / (row_bytes > 1 ? row_bytes : 1);
+  const int64_t per = rows < fitting ? rows : fitting;
+  return per > 1 ? per : 1;
+}
+// Bytes a dK/dV block's row walks (Q and dO of every head of the group, at 2 bytes an element).
+__host__ __device__ inline int64_t key_block_row_bytes(const ForwardParams& p) {
+  return 4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head();
+}
 __device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes,
                                                       int64_t section_bytes, int64_t b = blockIdx.x) {
   const int64_t rows_fitting = row_bytes > section_bytes ? 0 : quotient32(section_bytes, max64(row_bytes, 1));
@@ -175,20 +185,25 @@ __device__ __forceinline__ QueryTile block_query_tile(const ForwardParams& p, in
 }
 
 // The key tile a dK/dV block owns: the first key tiles (seen by the most queries) first, or with
-// `last_first` the last ones first (the fused backward in turns: a block only waits for the key
-// tiles after its own, so these must start no later). Its walk covers the queries of every head of
-// the kv head's group.
+// `last_first` the last ones first (the fused backward in turns, its walks going up: a block only
+// waits for the key tiles after its own, so these must start no later). From block `down_from` on
+// (the last section, fused_down_from) `last_first` takes the first ones first again and the walks
+// go down (`walk_down`): a block then waits only for the key tiles before its own, which started
+// before it, and the grid no longer ends on the longest walks. Its walk covers the queries of every
+// head of the kv head's group.
 struct KeyTile {
   SequenceView s;
   int64_t hk = 0, j0 = 0;  // kv head, first key
+  bool walk_down = false;
 };
-__device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles,
-                                                  int block_n, bool last_first = false) {
-  const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles,
-                                       4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head(), kSectionBytesKeyBlocks);
-  const int64_t tile = last_first ? num_tiles - 1 - o.rank : o.rank;
+__device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles, int block_n,
+                                                  bool last_first = false, int64_t down_from = INT64_MAX) {
+  const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles, key_block_row_bytes(p),
+                                       kSectionBytesKeyBlocks);
+  const bool down = last_first && static_cast<int64_t>(blockIdx.x) >= down_from;
+  const int64_t tile = last_first && !down ? num_tiles - 1 - o.rank : o.rank;
   const int64_t sequence = quotient32(o.row, p.num_kv_heads);
-  return {p.sequence(sequence), o.row - sequence * p.num_kv_heads, tile * block_n};
+  return {p.sequence(sequence), o.row - sequence * p.num_kv_heads, tile * block_n, down};
 }
 
 // Offset of (sequence, head, query row 0) in the (batch, heads, seqlen_q) float32 buffers lse/delta.

@@ -27,6 +27,8 @@
 // 128-position boundary the query tiles cross), the dq kernel at its first query like the forward.
 #pragma once
 
+#include <cstdlib>
+
 #include "generic_kernels.cuh"
 #include "hopper_forward.cuh"
 
@@ -311,14 +313,15 @@ __device__ __forceinline__ void load_query_stats(float* sn, const float* T_q, co
 }
 
 // The fused dK/dV kernel's producer warp: the query tiles of the block's walk (every head of the
-// kv head's group, from qt_begin up; no pruning in the fused form, so every walk runs to the end),
+// kv head's group, from qt_begin up, or from the last tile down to qt_begin with `walk_down`; no
+// pruning in the fused form, so every walk covers all of them),
 // into the stage of tile `it` once the math threads have released it: Q and dO by TMA (lane 0's
 // transaction), a partial last tile by cp.async with zeros past the end, and the per-query T,
 // -(T + lse) and delta by cp.async (the 32 lanes' arrivals).
 template <typename T, int kQueries, int kHeadDim>
 __device__ __forceinline__ void produce_query_tiles(const BackwardParams& p, const BackwardWorkspace& ws,
                                                     const float* suffix, const SequenceView& s, int64_t hk,
-                                                    int64_t qt_begin, T* QdO, float* stats,
+                                                    int64_t qt_begin, bool walk_down, T* QdO, float* stats,
                                                     const TileHandoff& handoff, const TileMaps& maps) {
   constexpr int kQ = kQueries * kHeadDim;
   const int lane = threadIdx.x & 31;
@@ -331,7 +334,9 @@ __device__ __forceinline__ void produce_query_tiles(const BackwardParams& p, con
                     s.row_q * p.do_row_stride + h * p.do_head_stride;
     const int64_t stat = row_stat_offset(p, s, h);
     const float* T_ = suffix + (s.batch_index * p.num_heads + h) * p.seqlen_k + s.row_k;
-    for (int64_t qt = qt_begin; qt * kQueries < s.len_q; ++qt, ++it) {
+    const int64_t qt_end = (s.len_q + kQueries - 1) / kQueries;
+    for (int64_t k = 0; qt_begin + k < qt_end; ++k, ++it) {
+      const int64_t qt = walk_down ? qt_end - 1 - k : qt_begin + k;
       const int st = static_cast<int>(it & 1);
       if (it >= 2) {  // tile it - 2 released (and so its phase of full done: for synccheck)
         const uint32_t parity = static_cast<uint32_t>(((it - 2) >> 1) & 1);
@@ -364,7 +369,7 @@ constexpr int kDkdvThreads = kThreads + (kFusedDq ? 128 : 0);
 template <typename T, int kHeadDim, bool kFusedDq>
 __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
     dkdv_kernel(const BackwardParams p, const BackwardWorkspace ws, const float* __restrict__ suffix,
-                int64_t num_tiles, const __grid_constant__ TileMaps maps) {
+                int64_t num_tiles, const __grid_constant__ TileMaps maps, int64_t down_from) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Smem = DkdvSmem<kHeadDim, kFusedDq>;
   constexpr int kQueries = Smem::kQueries;
@@ -407,7 +412,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
 
   const bool in_turns = kFusedDq && ws.dq_turns != nullptr;
-  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns);
+  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns, down_from);
+  const bool walk_down = kFusedDq && kt.walk_down;
   const SequenceView s = kt.s;
   // Positions inside the sequence in 32 bits (a sequence stays below 2^31 of them).
   const int len_q = static_cast<int>(s.len_q), len_k = static_cast<int>(s.len_k);
@@ -443,7 +449,8 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
     if (warp >= kWarps) {  // the producer and writer's warpgroup
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(24) : "memory");
       if (warp == kWarps && any_key)
-        produce_query_tiles<T, kQueries, kHeadDim>(p, ws, suffix, s, hk, qt_begin, QdO, stats, handoff, maps);
+        produce_query_tiles<T, kQueries, kHeadDim>(p, ws, suffix, s, hk, qt_begin, walk_down, QdO, stats, handoff,
+                                                   maps);
       else if (warp == kWarps + 1 && lane == 0)
         write_dq_tiles<kDqRow>(ws.dq_accum, ws.dq_turns, dq_stage, dq_full, dq_empty, dq_slots, kStageFloats);
       return;
@@ -519,8 +526,23 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
     // first position of the 128-tile after the one c_cur belongs to
     int boundary = (max(first_tile, tile) + 1) * kBlockN;
     const float prune_log2 = p.prune_threshold * kLog2e;
+    // A walk down: C of the 128-tile of each query tile's first position, from C of the top one
+    // down, one T subtracted at each boundary crossed. In double, since C there holds the sum of
+    // the whole walk (~10^4 for a fast-forgetting head at N = 16k): in float the subtractions
+    // would leave the tiles near the keys an error of that size's ulps; in double it stays far
+    // below the float sums of the walk up.
+    const int qt_end = (len_q + kQueries - 1) / kQueries;
+    int c_tile = tile;  // the 128-tile c_down belongs to
+    double c_down = 0.0;
+    if (walk_down && any_query) {
+      c_tile = max(tile, ((qt_end - 1) * kQueries + offset) / kBlockN);
+      double sum = 0.0;
+      for (int u = tile + 1 + lane; u <= c_tile; u += 32) sum += T_[static_cast<int64_t>(u) * kBlockN];
+      c_down = static_cast<double>(Tk[0]) + warp_sum(sum);
+    }
 
-    for (int qt = qt_begin; any_query && qt * kQueries < len_q; ++qt, ++it) {
+    for (int k = 0; any_query && qt_begin + k < qt_end; ++k, ++it) {
+      const int qt = walk_down ? qt_end - 1 - k : qt_begin + k;
       const int st = warp_uniform(static_cast<int>(it & 1));
       const T* Qs = QdO + 2 * st * Smem::kQ;
       const T* dOs = Qs + Smem::kQ;
@@ -529,6 +551,12 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       const float* delta_q = qbias + kQueries;
       const int i0 = qt * kQueries, p0 = i0 + offset;
       const int nq = min(kQueries, len_q - i0);
+      if (walk_down) {
+        const int u0 = max(tile, p0 / kBlockN);
+        for (; c_tile > u0; --c_tile) c_down -= T_[static_cast<int64_t>(c_tile) * kBlockN];
+        c_cur = static_cast<float>(c_down);
+        boundary = (u0 + 1) * kBlockN;
+      }
       handoff.wait_loaded(it);
       // C of the positions at and after the boundary, when it falls in this query tile.
       const int kb = boundary - p0;
@@ -675,7 +703,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         cute::warpgroup_commit_batch();
 #endif
       }
-      if (p0 + kQueries > boundary) {  // the next query tile starts past the boundary
+      if (!walk_down && p0 + kQueries > boundary) {  // the next query tile starts past the boundary
         c_cur = c_next;
         boundary += kBlockN;
       }
@@ -706,9 +734,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         }
         fence_async_proxy();
         if (threadIdx.x == 0) {
-          // The turn: the key tiles after this one up to the diagonal's add first.
+          // The turn: the key tiles after this one up to the diagonal's add first (walks up), or
+          // those from first_key's up to this one (walks down).
           const int diagonal = min((p0 + nq - 1) / kBlockN, (len_k - 1) / kBlockN);
-          dq_slots[sb] = {stat + i0, diagonal - tile, nq};
+          dq_slots[sb] = {stat + i0, walk_down ? tile - first_key / kBlockN : diagonal - tile, nq};
         }
         __syncwarp();
         if (lane == 0) {  // this warp's dQ^T has read dS^T, its part of the staging tile is written
@@ -941,6 +970,25 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_accumulator(const B
 
 namespace fox::cuda {
 
+// The fused backward in turns: the first block of the last section of block_key_tile's order, whose
+// walks go down (the grid then ends on short walks: -x% at N = 16k), where at least two waves of
+// blocks come before it; else no block's (walks down that start at once reach each query tile
+// together and wait for one another's turns). FOX_FUSED_WALK_DOWN=1 / 0: every block's / none's
+// (tests: the walks down at any size).
+inline int64_t fused_down_from(const BackwardParams& p, int64_t key_tiles) {
+  const int64_t rows = p.batch * p.num_kv_heads, blocks = rows * key_tiles;
+  if (const char* forced = std::getenv("FOX_FUSED_WALK_DOWN"))  // read per call: tests set it
+    return forced[0] == '1' ? 0 : blocks;
+  const int64_t per_section = rows_per_section(rows, key_block_row_bytes(p), kSectionBytesKeyBlocks);
+  const int64_t first = (rows - 1) / per_section * per_section * key_tiles;
+  static int sms[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  int& count = sms[device & 63];
+  if (count == 0) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return first >= 2 * static_cast<int64_t>(count) ? first : blocks;
+}
+
 template <typename T, int kHeadDim>
 void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, float* gate_suffix,
                          int64_t max_len_q, int64_t max_len_k, cudaStream_t stream) {
@@ -961,7 +1009,9 @@ void run_hopper_backward(const BackwardParams& p, const BackwardWorkspace& ws, f
     const size_t smem = fused ? DkdvSmem<kHeadDim, true>::kAllocBytes : DkdvSmem<kHeadDim, false>::kAllocBytes;
     cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     const int threads = fused ? kDkdvThreads<true> : kDkdvThreads<false>;
-    dkdv<<<static_cast<unsigned>(kv_blocks), threads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps);
+    const int64_t down_from = fused && ws.dq_turns != nullptr ? fused_down_from(p, key_tiles) : kv_blocks;
+    dkdv<<<static_cast<unsigned>(kv_blocks), threads, smem, stream>>>(p, ws, gate_suffix, key_tiles, maps,
+                                                                      down_from);
   }
   if (fused) {
     const int64_t heads = (p.cu_seqlens != nullptr ? 1 : p.batch) * p.num_heads;
