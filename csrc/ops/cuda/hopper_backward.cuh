@@ -8,7 +8,8 @@
 //     of block_key_tile (common.cuh); each warpgroup owns 64 keys: S^T = K Q^T and dP^T = V dO^T
 //     (both operands in shared memory), then dV += P^T dO and dK += dS^T Q (P^T, dS^T from
 //     registers, dO and Q read transposed), walking query tiles (kDkdvQueries) upwards from the
-//     diagonal for every head of the GQA group.
+//     diagonal for every head of the GQA group (the fused form in turns: downwards in the grid's
+//     last section, fused_down_from).
 //     dc = -colsum(dS).
 //     Fused (kFusedDq, the five-product backward; the default at any length at head dim 128 and
 //     from 1024 queries at 64, api.cu): the same kernel also computes this key tile's part of dQ,
@@ -229,9 +230,10 @@ __device__ __forceinline__ void bulk_wait() {
 // of its tile reaches its turn and moves it on once its own addition has landed, so dQ's float32
 // sums come out in one order on every run. The tiles after this block's are started no later than
 // it (block_key_tile's last_first), and they reach each query tile first, so a block only waits on
-// blocks running ahead. The first turn (the diagonal key tile) stores its rows instead of adding
-// them, so that only the counters need zeros (dq_from_accumulator writes the rows no key tile
-// reaches: the queries before seq_start).
+// blocks running ahead. In the last section of the grid the walks go down and the key tiles add
+// from first_key's up, each after those started before it (fused_down_from). The first turn stores
+// its rows instead of adding them, so that only the counters need zeros (dq_from_accumulator
+// writes the rows no key tile reaches: the queries before seq_start).
 struct DqWriterSlot {
   int64_t row;
   int32_t turn;
@@ -971,7 +973,8 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_accumulator(const B
 namespace fox::cuda {
 
 // The fused backward in turns: the first block of the last section of block_key_tile's order, whose
-// walks go down (the grid then ends on short walks: -x% at N = 16k), where at least two waves of
+// walks go down (the grid then ends on short walks: backward -2% to -5%, bench/NOTES.md version
+// 96), where at least two waves of
 // blocks come before it; else no block's (walks down that start at once reach each query tile
 // together and wait for one another's turns). FOX_FUSED_WALK_DOWN=1 / 0: every block's / none's
 // (tests: the walks down at any size).
