@@ -1,6 +1,9 @@
-"""bench/kernel_ab.sh, the build of the in-process comparison of two builds of the Hopper kernels
-(A from a git revision, B from the working tree): it compiles and links (running it needs an H100 or
-H200), names what it compared, and refuses an unknown option with its usage."""
+"""The benchmark tools that are not benchmarks themselves. bench/kernel_ab.sh, the build of the
+in-process comparison of two builds of the Hopper kernels (A from a git revision, B from the working
+tree): it compiles and links (running it needs an H100 or H200), names what it compared, and refuses
+an unknown option with its usage. bench/backward_order_model.py, the fused backward's schedule
+model: its orders against one another, and a grid that cannot deadlock never does."""
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -8,8 +11,6 @@ import subprocess
 import pytest
 
 from test_cmake_consumer import REPO_ROOT
-
-pytestmark = pytest.mark.slow
 
 SCRIPT = REPO_ROOT / "bench" / "kernel_ab.sh"
 
@@ -34,6 +35,7 @@ def cutlass_include():
     return path
 
 
+@pytest.mark.slow
 def test_kernel_ab_builds_against_head(tmp_path):
     if not (REPO_ROOT / ".git").exists():
         pytest.skip("needs the git checkout (build A comes from a revision)")
@@ -48,7 +50,40 @@ def test_kernel_ab_builds_against_head(tmp_path):
     assert "B = the working tree (-DFOX_SECTION_MIB_QUERY_BLOCKS=24)" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 def test_kernel_ab_refuses_an_unknown_option():
     result = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--base REV" in result.stderr
+
+
+def load_order_model():
+    path = REPO_ROOT / "bench" / "backward_order_model.py"
+    spec = importlib.util.spec_from_file_location("backward_order_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_backward_order_model():
+    """A small grid (8 rows of 16 key tiles, 2 rows a section, 16 slots): the last-first order's
+    end costs against any order, and the last section walking down takes most of that back; the
+    deadlock-free orders end on any number of slots, even one, and first-first in turns does not
+    when a section's blocks cannot all run at once."""
+    model = load_order_model()
+    rows, key_tiles, per_section, ratio = 8, 16, 2, 2
+    ideal = rows * sum(2 * key_tiles - ratio * kt for kt in range(key_tiles)) / 16
+
+    def span(order, sms=16):
+        blocks = model.grid(rows, key_tiles, per_section, order)
+        assert sorted((r, kt) for r, kt, _ in blocks) == [(r, kt) for r in range(rows) for kt in range(key_tiles)]
+        return model.makespan(blocks, 2 * key_tiles, ratio, lam=0.65, sms=sms,
+                              turns=order != "any-order") / ideal
+
+    last_first, any_order, last_down = span("last-first"), span("any-order"), span("last-down")
+    assert last_first > any_order + 0.03
+    assert last_down < last_first - 0.02
+    for order in ("last-first", "last-down"):  # one slot: every block alone, in grid order
+        assert span(order, sms=1) == pytest.approx(16 * (1.0 + 0.05 / 2), rel=0.05)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        span("first-first", sms=4)
