@@ -988,8 +988,9 @@ inline int64_t fused_down_from(const BackwardParams& p, int64_t key_tiles) {
   int device = 0;
   cudaGetDevice(&device);
   int& count = sms[device & 63];
-  if (count == 0) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return first >= 2 * static_cast<int64_t>(count) ? first : blocks;
+  if (count == 0 && cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    count = 0;
+  return count > 0 && first >= 2 * static_cast<int64_t>(count) ? first : blocks;  // (unknown: walks up)
 }
 
 template <typename T, int kHeadDim>
