@@ -40,7 +40,7 @@ def makespan(blocks, num_query_tiles, ratio, lam, sms, turns=True, noise=0.05, s
         seq += 1
 
     def turn(b, q):
-        row, kt, down = blocks[b]
+        _, kt, down = blocks[b]
         return kt if down else q // ratio - kt  # additions before this one at query tile q
 
     def step_time():
@@ -53,7 +53,7 @@ def makespan(blocks, num_query_tiles, ratio, lam, sms, turns=True, noise=0.05, s
     while events:
         t, _, kind, b = heapq.heappop(events)
         if kind == "start":
-            row, kt, down = blocks[b]
+            _, kt, down = blocks[b]
             tiles = list(range(ratio * kt, num_query_tiles))
             state[b] = {"tiles": tiles[::-1] if down else tiles, "done": 0, "written": 0,
                         "writer_free": t, "math_waits": False}

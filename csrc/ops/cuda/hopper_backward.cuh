@@ -973,11 +973,10 @@ __global__ void __launch_bounds__(kDqConvertThreads) dq_from_accumulator(const B
 namespace fox::cuda {
 
 // The fused backward in turns: the first block of the last section of block_key_tile's order, whose
-// walks go down (the grid then ends on short walks: backward -2% to -5%, bench/NOTES.md version
-// 96), where at least two waves of
-// blocks come before it; else no block's (walks down that start at once reach each query tile
-// together and wait for one another's turns). FOX_FUSED_WALK_DOWN=1 / 0: every block's / none's
-// (tests: the walks down at any size).
+// walks go down (the grid then ends on short walks: backward -1.4% to -4.9%, bench/NOTES.md
+// version 96), where at least two waves of blocks come before it; else no block's (walks down that
+// start at once reach each query tile together and wait for one another's turns).
+// FOX_FUSED_WALK_DOWN=1 / 0: every block's / none's (tests: the walks down at any size).
 inline int64_t fused_down_from(const BackwardParams& p, int64_t key_tiles) {
   const int64_t rows = p.batch * p.num_kv_heads, blocks = rows * key_tiles;
   if (const char* forced = std::getenv("FOX_FUSED_WALK_DOWN"))  // read per call: tests set it
