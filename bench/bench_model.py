@@ -7,6 +7,7 @@ events after warm-up, median.
     python3 bench/bench_model.py [--seqlen 4096 --batch 4 --layers 12]
     python3 bench/bench_model.py --checkpoint-activations   # the cost of per-block checkpointing
     python3 bench/bench_model.py --memory    # peak and saved tensors, memory savings off vs on
+    python3 bench/bench_model.py --gaps      # how long and where the GPU waits for the host
 """
 import argparse
 import math
@@ -112,6 +113,55 @@ def print_profile(title, step, steps=3, top=30):
     print(f"\n## {title}: {wall:.1f} ms per step (profiled), kernels {busy:.1f} ms")
     for e in kernels[:top]:
         print(f"{e.device_time_total / steps / 1e3:8.2f} ms {e.count // steps:5d}x  {e.key[:110]}")
+
+
+def print_gaps(title, step, steps=3, top=25, min_us=2.0):
+    """Where the GPU idles in a step: the stretches between consecutive kernels, from the CUDA
+    activity trace alone (no host-side tracing, which would slow the host and make its own gaps),
+    summed by the kernel that waits, with the largest single stretches."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                 key=lambda e: e["ts"])
+    gaps = []
+    for before, after in zip(gpu, gpu[1:]):
+        idle = after["ts"] - (before["ts"] + before.get("dur", 0))
+        gaps.append((idle, before["name"], after["name"]))
+    busy = sum(e.get("dur", 0) for e in gpu) / steps / 1e3
+    # The stretch between the steps (the host's sync and the next step's start) is not the step's.
+    inside = sorted(gaps, key=lambda g: -g[0])[steps - 1:]
+    idle_all = sum(g[0] for g in inside) / steps / 1e3
+    idle_long = sum(g[0] for g in inside if g[0] > min_us) / steps / 1e3
+    print(f"\n## {title}: {len(gpu) // steps} kernels a step, {busy:.2f} ms busy, idle between "
+          f"them {idle_all:.2f} ms, of which {idle_long:.2f} ms in stretches over {min_us:.0f} us")
+    # Where in the step: the idle time by tenths of the step's kernels (in launch order).
+    n = len(gpu) // steps
+    tenths = [0.0] * 10
+    for i, (idle, _, _) in enumerate(gaps):
+        if idle < 1000 and (i + 1) % n:  # not the stretch between steps
+            tenths[min(9, ((i + 1) % n) * 10 // n)] += idle / steps
+    print("idle us by tenth of the step's kernels: " + " ".join(f"{t:.0f}" for t in tenths))
+    by_kernel = {}
+    for idle, _, after in inside:
+        if idle > min_us:
+            by_kernel[after] = by_kernel.get(after, 0.0) + idle
+    print("idle us a step | the kernel that waited")
+    for name, idle in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{idle / steps:9.1f} | {name[:140]}")
+    print("largest single stretches (us | kernel before -> kernel after):")
+    for idle, before, after in inside[:12]:
+        print(f"{idle:9.1f} | {before[:64]} -> {after[:64]}")
 
 
 def model_125m(arch, args):
@@ -250,6 +300,48 @@ def memory_census(args, top=16):
         torch.cuda.empty_cache()
 
 
+def head_start_ms(step, reps=10, cycles=40_000_000):
+    """Median ms of (step as timed, the step after the GPU sleeps ~20 ms first): with the head
+    start the host has queued the step's kernels before the GPU reaches them, so the second is
+    the GPU's own time and the difference is how long the GPU waits for the host's launches."""
+    for _ in range(3):
+        step()
+    plain, ahead = [], []
+    for _ in range(reps):
+        for sleep, times in ((False, plain), (True, ahead)):
+            a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize()
+            a.record()
+            if sleep:
+                torch.cuda._sleep(cycles)
+            b.record()
+            step()
+            c.record()
+            torch.cuda.synchronize()
+            times.append(b.elapsed_time(c))
+    return statistics.median(plain), statistics.median(ahead)
+
+
+def gaps_table(args):
+    """The step's time against the GPU's own time (a head start), and where the GPU waits."""
+    B, T = args.batch, args.seqlen
+    for arch in args.archs.split(","):
+        _, model = model_125m(arch, args)
+        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+        plain = fox_training_step(model, ids, ids)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            return plain()
+
+        t, gpu = head_start_ms(step)
+        print(f"\n# {arch}, B={B}, T={T}: step {t:.2f} ms, with a head start {gpu:.2f} ms: the "
+              f"GPU waits {t - gpu:.2f} ms for the host")
+        print_gaps(arch, step)
+        del model
+        torch.cuda.empty_cache()
+
+
 def ab_table(args, reps=20):
     """fox_torch's step, default against an environment switch set (--ab VAR=VALUE): the two
     alternate step by step in one process, median of each; the losses must agree."""
@@ -291,6 +383,9 @@ def main():
                          "transformer_llama)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA kernels that take the most time in each step")
+    ap.add_argument("--gaps", action="store_true",
+                    help="only where fox_torch's step leaves the GPU idle (gradients set to None "
+                         "before each step, as a training loop does)")
     ap.add_argument("--checkpoint-activations", action="store_true",
                     help="only the table of fox_torch with and without per-block activation "
                          "checkpointing (tokens/s, peak memory)")
@@ -305,6 +400,8 @@ def main():
         return ab_table(args)
     if args.checkpoint_activations:
         return checkpointing_table(args)
+    if args.gaps:
+        return gaps_table(args)
     if args.memory:
         return memory_census(args)
     B, T = args.batch, args.seqlen

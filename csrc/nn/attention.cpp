@@ -189,7 +189,14 @@ ForgettingAttentionLayerImpl::concatenate_projections(
   for (auto w : c.widths) width += w;
   const int64_t padding = (64 - width % 64) % 64;
   if (padding) {
-    weights.push_back(torch::zeros({padding, weights[0].size(1)}, weights[0].options()));
+    const auto& w = weights[0];
+    if (!padding_rows_.defined() || padding_rows_.size(0) != padding ||
+        padding_rows_.size(1) != w.size(1) || padding_rows_.scalar_type() != w.scalar_type() ||
+        padding_rows_.device() != w.device()) {
+      c10::InferenceMode normal_tensor(false);  // made under inference_mode, read by training too
+      padding_rows_ = torch::zeros({padding, w.size(1)}, w.options());
+    }
+    weights.push_back(padding_rows_);
     biases.push_back(torch::Tensor());
     c.widths.push_back(padding);
   }
@@ -324,12 +331,16 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
               shard && shard->positions.defined() ? shard->positions.numel() : 0,
               " tokens, the input has ", T);
   // Positions of the new tokens: (T,) after a dynamic cache or in a context-parallel shard, (B, T)
-  // per row in a static cache.
+  // per row in a static cache. Made only where read (RoPE, seq_start): a layer's launch costs the
+  // host more than the GPU, and a training step's forward waits on the host.
   const bool static_cache = cache && cache->is_static();
   const int64_t offset = cache && !static_cache ? cache->length() : 0;
+  const bool need_positions = o.use_rope() || (seq_start.has_value() && seq_start->defined());
   auto positions = static_cache ? cache->positions
                    : shard      ? shard->positions
-                                : torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong));
+                   : need_positions
+                       ? torch::arange(offset, offset + T, x_in.options().dtype(torch::kLong))
+                       : torch::Tensor();
 
   std::optional<torch::Tensor> start;
   auto x = x_in;

@@ -845,10 +845,13 @@ def test_cache_seqlens(device, dtype, seqlen_q):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-def test_cache_seqlens_fused_backward(monkeypatch):
+@pytest.mark.parametrize("walk", ["up", "down"])
+def test_cache_seqlens_fused_backward(monkeypatch, walk):
     """The five-product backward (forced at every length) with per-row cache lengths and seq_start:
     the queries before a row's seq_start sit at positions of that row's own length, and their dQ
-    rows, which no key tile writes in turns, are zeros (the workspace starts as NaN)."""
+    rows, which no key tile writes in turns, are zeros (the workspace starts as NaN). Every block
+    walking its query tiles up, and down (FOX_FUSED_WALK_DOWN=1, the grid's last section's order)."""
+    monkeypatch.setenv("FOX_FUSED_WALK_DOWN", "1" if walk == "down" else "0")
     B, Tq, Tk = 3, 200, 700
     q, k, v, g = make_inputs(B, Tq, Tk, 2, 2, 64, dtype=torch.bfloat16, device="cuda",
                              regime="mixed")

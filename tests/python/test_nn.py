@@ -292,6 +292,34 @@ def test_setattr_swaps_the_cpp_parameter(arch):
         q.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
 
 
+def test_zero_grad_as_nn_module():
+    """zero_grad() (the C++ module's own walk) sets every gradient to None, on the whole model and
+    on a submodule alone, also after a parameter was swapped; zero_grad(set_to_none=False) zeros
+    them in place as nn.Module's does."""
+    torch.manual_seed(0)
+    m = fnn.ForgettingTransformerForCausalLM(tiny("fox_pro"))
+    ids = torch.randint(0, 53, (2, 6))
+    swapped = torch.nn.Parameter(m.model.layers[1].attn.q_proj.weight.detach().clone())
+    m.model.layers[1].attn.q_proj.weight = swapped
+
+    def backward():
+        m(ids, labels=ids).sum().backward()
+        assert all(p.grad is not None for p in m.parameters())
+
+    backward()
+    attn = m.model.layers[0].attn
+    attn.zero_grad()
+    assert all(p.grad is None for p in attn.parameters())
+    assert all(p.grad is not None for p in m.model.layers[1].parameters())
+    m.zero_grad()
+    assert all(p.grad is None for p in m.parameters()) and swapped.grad is None
+    backward()
+    kept = {n: p.grad for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=False)
+    for n, p in m.named_parameters():
+        assert p.grad is kept[n] and torch.count_nonzero(p.grad) == 0, n
+
+
 # ---- the training step's memory savings ------------------------------------------------------------
 
 SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}

@@ -160,6 +160,9 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
                                                  bool bias_in_gemm) const;
   /// Few-row inference (decoding) keeps the concatenation while the parameters are unchanged.
   ConcatenatedProjection inference_projection_;
+  /// The zero rows of the padding, made once per shape, dtype and device (a training step's
+  /// forward waits on the host's launches: each one saved counts).
+  mutable torch::Tensor padding_rows_;
 
  public:
 
