@@ -300,6 +300,19 @@ def memory_census(args, top=16):
         torch.cuda.empty_cache()
 
 
+def step_from_zero(arch, args):
+    """(model, its training step on random tokens with the gradients set to None first, as a
+    training loop's zero_grad() does)."""
+    _, model = model_125m(arch, args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), device="cuda")
+    plain = fox_training_step(model, ids, ids)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return plain()
+    return model, step
+
+
 def head_start_ms(step, reps=10, cycles=40_000_000):
     """Median ms of (step as timed, the step after the GPU sleeps ~20 ms first): with the head
     start the host has queued the step's kernels before the GPU reaches them, so the second is
@@ -326,14 +339,7 @@ def gaps_table(args):
     """The step's time against the GPU's own time (a head start), and where the GPU waits."""
     B, T = args.batch, args.seqlen
     for arch in args.archs.split(","):
-        _, model = model_125m(arch, args)
-        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
-        plain = fox_training_step(model, ids, ids)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            return plain()
-
+        model, step = step_from_zero(arch, args)
         t, gpu = head_start_ms(step)
         print(f"\n# {arch}, B={B}, T={T}: step {t:.2f} ms, with a head start {gpu:.2f} ms: the "
               f"GPU waits {t - gpu:.2f} ms for the host")
@@ -352,13 +358,7 @@ def ab_table(args, reps=20):
     print(f"| model | default ms | {args.ab} ms | ratio | loss (default / switched) |\n"
           "|---|---|---|---|---|")
     for arch in args.archs.split(","):
-        _, model = model_125m(arch, args)
-        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
-        plain = fox_training_step(model, ids, ids)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            return plain()
+        model, step = step_from_zero(arch, args)
 
         def switched():
             with switches.environment(name, value):
