@@ -10,7 +10,6 @@ events after warm-up, median.
     python3 bench/bench_model.py --gaps      # how long and where the GPU waits for the host
 """
 import argparse
-import math
 import os
 import statistics
 
