@@ -114,10 +114,37 @@ def print_profile(title, step, steps=3, top=30):
         print(f"{e.device_time_total / steps / 1e3:8.2f} ms {e.count // steps:5d}x  {e.key[:110]}")
 
 
+def idle_summary(gpu, steps, min_us=2.0):
+    """Where the GPU idled over `steps` steps, from the trace's GPU events in time order (dicts
+    with name, ts and dur in us): kernels a step, busy and idle ms a step (the stretches between
+    the steps, the host's sync and the next step's start, left out), the idle in stretches over
+    min_us, the idle us by tenth of a step's kernels (in launch order), the idle us a step by the
+    kernel that waited (stretches over min_us), and the stretches largest first (us, before,
+    after)."""
+    n = len(gpu) // steps
+    gaps = [(after["ts"] - (before["ts"] + before.get("dur", 0)), i + 1, before["name"],
+             after["name"]) for i, (before, after) in enumerate(zip(gpu, gpu[1:]))]
+    inside = sorted((g for g in gaps if g[1] % n), key=lambda g: -g[0])
+    tenths = [0.0] * 10
+    by_kernel = {}
+    for idle, k, _, after in inside:
+        tenths[(k % n) * 10 // n] += idle / steps
+        if idle > min_us:
+            by_kernel[after] = by_kernel.get(after, 0.0) + idle / steps
+    return {
+        "kernels": n,
+        "busy_ms": sum(e.get("dur", 0) for e in gpu) / steps / 1e3,
+        "idle_ms": sum(g[0] for g in inside) / steps / 1e3,
+        "idle_long_ms": sum(g[0] for g in inside if g[0] > min_us) / steps / 1e3,
+        "tenths_us": tenths,
+        "by_kernel_us": by_kernel,
+        "largest": [(idle, before, after) for idle, _, before, after in inside],
+    }
+
+
 def print_gaps(title, step, steps=3, top=25, min_us=2.0):
-    """Where the GPU idles in a step: the stretches between consecutive kernels, from the CUDA
-    activity trace alone (no host-side tracing, which would slow the host and make its own gaps),
-    summed by the kernel that waits, with the largest single stretches."""
+    """Where the GPU idles in a step (idle_summary), from the CUDA activity trace alone (no
+    host-side tracing, which would slow the host and make its own gaps)."""
     import json
     import tempfile
     from torch.profiler import ProfilerActivity, profile
@@ -133,33 +160,16 @@ def print_gaps(title, step, steps=3, top=25, min_us=2.0):
         events = json.load(open(f.name))["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                  key=lambda e: e["ts"])
-    gaps = []
-    for before, after in zip(gpu, gpu[1:]):
-        idle = after["ts"] - (before["ts"] + before.get("dur", 0))
-        gaps.append((idle, before["name"], after["name"]))
-    busy = sum(e.get("dur", 0) for e in gpu) / steps / 1e3
-    # The stretch between the steps (the host's sync and the next step's start) is not the step's.
-    inside = sorted(gaps, key=lambda g: -g[0])[steps - 1:]
-    idle_all = sum(g[0] for g in inside) / steps / 1e3
-    idle_long = sum(g[0] for g in inside if g[0] > min_us) / steps / 1e3
-    print(f"\n## {title}: {len(gpu) // steps} kernels a step, {busy:.2f} ms busy, idle between "
-          f"them {idle_all:.2f} ms, of which {idle_long:.2f} ms in stretches over {min_us:.0f} us")
-    # Where in the step: the idle time by tenths of the step's kernels (in launch order).
-    n = len(gpu) // steps
-    tenths = [0.0] * 10
-    for i, (idle, _, _) in enumerate(gaps):
-        if idle < 1000 and (i + 1) % n:  # not the stretch between steps
-            tenths[min(9, ((i + 1) % n) * 10 // n)] += idle / steps
-    print("idle us by tenth of the step's kernels: " + " ".join(f"{t:.0f}" for t in tenths))
-    by_kernel = {}
-    for idle, _, after in inside:
-        if idle > min_us:
-            by_kernel[after] = by_kernel.get(after, 0.0) + idle
+    s = idle_summary(gpu, steps, min_us)
+    print(f"\n## {title}: {s['kernels']} kernels a step, {s['busy_ms']:.2f} ms busy, idle between "
+          f"them {s['idle_ms']:.2f} ms, of which {s['idle_long_ms']:.2f} ms in stretches over "
+          f"{min_us:.0f} us")
+    print("idle us by tenth of the step's kernels: " + " ".join(f"{t:.0f}" for t in s["tenths_us"]))
     print("idle us a step | the kernel that waited")
-    for name, idle in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"{idle / steps:9.1f} | {name[:140]}")
+    for name, idle in sorted(s["by_kernel_us"].items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{idle:9.1f} | {name[:140]}")
     print("largest single stretches (us | kernel before -> kernel after):")
-    for idle, before, after in inside[:12]:
+    for idle, before, after in s["largest"][:12]:
         print(f"{idle:9.1f} | {before[:64]} -> {after[:64]}")
 
 

@@ -87,3 +87,24 @@ def test_backward_order_model():
         assert span(order, sms=1) == pytest.approx(16 * (1.0 + 0.05 / 2), rel=0.05)
     with pytest.raises(RuntimeError, match="deadlock"):
         span("first-first", sms=4)
+
+
+def test_idle_summary(monkeypatch):
+    """bench_model.py --gaps' arithmetic on a made-up trace of two steps of four kernels: the
+    stretch between the steps is left out, the rest is summed a step, by tenth of the step and by
+    the kernel that waited."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))  # its sibling modules
+    spec = importlib.util.spec_from_file_location("bench_model", REPO_ROOT / "bench" / "bench_model.py")
+    bench_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_model)
+    starts = [0, 15, 25, 36, 1040, 1053, 1063, 1073]  # idle 5, 0, 1 | 1000 | 3, 0, 0
+    durations = [10, 10, 10, 4] * 2
+    trace = [{"name": f"k{i % 4}", "ts": t, "dur": d} for i, (t, d) in enumerate(zip(starts, durations))]
+    s = bench_model.idle_summary(trace, steps=2, min_us=2.0)
+    assert s["kernels"] == 4
+    assert s["busy_ms"] == pytest.approx(0.034)
+    assert s["idle_ms"] == pytest.approx(0.0045)
+    assert s["idle_long_ms"] == pytest.approx(0.004)
+    assert s["by_kernel_us"] == pytest.approx({"k1": 4.0})
+    assert s["tenths_us"] == pytest.approx([0, 0, 4.0, 0, 0, 0, 0, 0.5, 0, 0])
+    assert s["largest"][0] == (5, "k0", "k1")
