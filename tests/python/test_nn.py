@@ -310,9 +310,11 @@ def test_zero_grad_as_nn_module():
     attn = m.model.layers[0].attn
     attn.zero_grad()
     assert all(p.grad is None for p in attn.parameters())
-    assert all(p.grad is not None for p in m.model.layers[1].parameters())
+    m.model.layers[1].attn.q_proj.zero_grad()  # a torch::nn::Linear, its parameter swapped
+    assert swapped.grad is None
+    assert all(p.grad is not None for p in m.model.layers[1].mlp.parameters())
     m.zero_grad()
-    assert all(p.grad is None for p in m.parameters()) and swapped.grad is None
+    assert all(p.grad is None for p in m.parameters())
     backward()
     kept = {n: p.grad for n, p in m.named_parameters()}
     m.zero_grad(set_to_none=False)
