@@ -166,6 +166,10 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
 
  public:
 
+  /// Appends what this layer's forward casts one by one under autocast: o_proj's weight and the
+  /// biases of every projection (the input projections' weights are concatenated and cast whole).
+  void append_weights_cast_alone(std::vector<torch::Tensor>& out) const;
+
   int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }
   int64_t num_kv_heads() const { return options.num_kv_heads().value_or(options.num_heads()); }
 
