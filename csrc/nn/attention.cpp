@@ -213,12 +213,9 @@ ForgettingAttentionLayerImpl::concatenate_projections(
 }
 
 void ForgettingAttentionLayerImpl::append_weights_cast_alone(std::vector<torch::Tensor>& out) const {
-  for (const auto& m : modules(/*include_self=*/false)) {
-    if (const auto* l = m->as<torch::nn::LinearImpl>()) {
-      if (l == o_proj.get()) out.push_back(l->weight);
-      if (l->bias.defined()) out.push_back(l->bias);
-    }
-  }
+  // Not the input projections' biases: autograd takes their gradient through their own cast.
+  out.push_back(o_proj->weight);
+  if (o_proj->bias.defined()) out.push_back(o_proj->bias);
 }
 
 ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
@@ -296,8 +293,7 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   }
   for (size_t i = 0; i < targets.size(); ++i) {
     *targets[i] = parts[i];
-    if (has_bias(i))
-      *targets[i] = parts[i] + functional::cast_for_compute(c->part_biases[i], parts[i].scalar_type());
+    if (has_bias(i)) *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
   }
   return out;
 }

@@ -166,8 +166,9 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
 
  public:
 
-  /// Appends what this layer's forward casts one by one under autocast: o_proj's weight and the
-  /// biases of every projection (the input projections' weights are concatenated and cast whole).
+  /// Appends what this layer's forward casts one by one under autocast for a product that makes
+  /// its gradient itself: o_proj's weight and bias (the input projections' weights are
+  /// concatenated and cast whole).
   void append_weights_cast_alone(std::vector<torch::Tensor>& out) const;
 
   int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }

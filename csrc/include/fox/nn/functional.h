@@ -91,7 +91,8 @@ class BatchedWeightCasts {
 };
 
 /// t in `dtype`: the BatchedWeightCasts copy of t where one is alive and t is unchanged since,
-/// else t.to(dtype).
+/// else t.to(dtype). The copy is not differentiable: for functions that make t's gradient
+/// themselves.
 torch::Tensor cast_for_compute(const torch::Tensor& t, c10::ScalarType dtype);
 
 /// x @ weight^T (+ bias) (+ residual): F.linear, with an optional residual added in the same
