@@ -173,6 +173,25 @@ def print_gaps(title, step, steps=3, top=25, min_us=2.0):
         print(f"{idle:9.1f} | {before[:64]} -> {after[:64]}")
 
 
+def print_host_ops(title, forward, steps=3, top=25):
+    """The host's ATen calls in a training forward (CPU activity only): calls a step and self
+    host time a step by op, most time first. The profiler's own cost per call inflates every
+    row alike; the ranking and the counts are what this is for."""
+    from torch.profiler import ProfilerActivity, profile
+    forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            forward()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    ops.sort(key=lambda e: -e.self_cpu_time_total)
+    calls = sum(e.count for e in ops) // steps
+    print(f"\n## {title}: forward's ATen calls, {calls} a step (self host us a step | calls | op)")
+    for e in ops[:top]:
+        print(f"{e.self_cpu_time_total / steps:9.0f} | {e.count // steps:5d} | {e.key}")
+
+
 def model_125m(arch, args):
     """The 125M-class model of the tables (seeded), on the GPU: (config, model)."""
     torch.manual_seed(0)
@@ -353,6 +372,12 @@ def gaps_table(args):
         print(f"\n# {arch}, B={B}, T={T}: step {t:.2f} ms, with a head start {gpu:.2f} ms: the "
               f"GPU waits {t - gpu:.2f} ms for the host")
         print_gaps(arch, step)
+        ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+
+        def forward():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(ids, labels=ids, reduction="mean")
+        print_host_ops(arch, forward)
         del model
         torch.cuda.empty_cache()
 
@@ -394,7 +419,8 @@ def main():
                     help="also print the CUDA kernels that take the most time in each step")
     ap.add_argument("--gaps", action="store_true",
                     help="only where fox_torch's step leaves the GPU idle (gradients set to None "
-                         "before each step, as a training loop does)")
+                         "before each step, as a training loop does), and the forward's ATen "
+                         "calls on the host")
     ap.add_argument("--checkpoint-activations", action="store_true",
                     help="only the table of fox_torch with and without per-block activation "
                          "checkpointing (tokens/s, peak memory)")

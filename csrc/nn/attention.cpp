@@ -147,11 +147,12 @@ torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate(const torch::Tensor&
 }
 
 torch::Tensor ForgettingAttentionLayerImpl::log_forget_gate_from(const torch::Tensor& x,
-                                                                 const torch::Tensor& logits) {
+                                                                 const torch::Tensor& logits,
+                                                                 const torch::Tensor& bias) {
   const int64_t B = x.size(0), T = x.size(1), H = options.num_heads();
   auto fdt = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   const auto& ft = options.fgate_type();
-  if (ft == "full") return F::logsigmoid(logits.to(fdt));
+  if (ft == "full") return functional::log_forget_gate(logits, bias);
   if (ft == "none") return torch::zeros({B, T, H}, x.options().dtype(fdt));
   return F::logsigmoid(fgate_bias.to(fdt)).expand({B, T, H}).contiguous();
 }
@@ -293,7 +294,9 @@ ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::pro
   }
   for (size_t i = 0; i < targets.size(); ++i) {
     *targets[i] = parts[i];
-    if (has_bias(i)) *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
+    if (!has_bias(i)) continue;
+    if (targets[i] == &out.fgate_logits) out.fgate_bias = c->part_biases[i];
+    else *targets[i] = parts[i] + c->part_biases[i].to(parts[i].scalar_type());
   }
   return out;
 }
@@ -401,9 +404,12 @@ torch::Tensor ForgettingAttentionLayerImpl::forward(const torch::Tensor& x_in, L
   torch::Tensor log_fgate;  // (B, T, H) fp32 (fp64 models: fp64)
   if (static_cache && o.fgate_type() == "full") {
     // The log-sigmoid of the gate logits is computed while they are written to the cache.
-    std::tie(k, v, log_fgate) = cache->update_from_gate_logits(k, v, p.fgate_logits);
+    auto logits = p.fgate_bias.defined()
+                      ? p.fgate_logits + p.fgate_bias.to(p.fgate_logits.scalar_type())
+                      : p.fgate_logits;
+    std::tie(k, v, log_fgate) = cache->update_from_gate_logits(k, v, logits);
   } else {
-    log_fgate = log_forget_gate_from(x, p.fgate_logits);
+    log_fgate = log_forget_gate_from(x, p.fgate_logits, p.fgate_bias);
     if (cache) std::tie(k, v, log_fgate) = cache->update(k, v, log_fgate);
   }
   // The pruning threshold's log(Tk) is that of the whole sequence under context parallelism.

@@ -208,6 +208,33 @@ struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   }
 };
 
+struct ForgetGateFunction : public torch::autograd::Function<ForgetGateFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
+                               const std::optional<torch::Tensor>& bias_opt) {
+    auto logits = last_contiguous(logits_in);
+    auto bias = bias_opt ? bias_opt->contiguous() : torch::Tensor();
+    auto out = torch::empty(logits.sizes(), logits.options().dtype(torch::kFloat32));
+    cuda::forget_gate_forward(logits, bias, out);
+    // The logits are a view of the input projection, which its backward keeps anyway.
+    ctx->save_for_backward({logits, bias});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &bias = saved[1];
+    auto dlogits = torch::empty(logits.sizes(), logits.options());
+    cuda::forget_gate_backward(grads[0].to(torch::kFloat32).contiguous(), logits, bias, dlogits);
+    torch::Tensor dbias;
+    if (bias.defined() && ctx->needs_input_grad(1)) {
+      // The composition's: the broadcast add's sum in the logits' dtype, then the bias's cast.
+      dbias = dlogits.sum({0, 1}).to(bias.scalar_type());
+    }
+    return {dlogits, dbias};
+  }
+};
+
 // The parts of an attention layer's input projection y (B, T, W) and its q, k and v as in
 // attention_inputs, with autograd: the backward's kernels write every part's gradient into its
 // columns of one (B, T, W) tensor (strided rows), so the projection's backward takes it as it is,
@@ -1146,6 +1173,24 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
   auto now = cur.reshape({B, T, H, D}).to(gate_dtype);
   auto before = prev.view({B, T, H, D}).to(gate_dtype);
   return (alpha * before + (1 - alpha) * now).to(cur.scalar_type()).view({B, T, C});
+}
+
+torch::Tensor log_forget_gate(const torch::Tensor& logits, const torch::Tensor& bias) {
+  TORCH_CHECK(logits.dim() == 3, "log_forget_gate: logits must be (batch, seqlen, heads), got ",
+              logits.sizes());
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == logits.size(2)),
+              "log_forget_gate: bias must be (", logits.size(2), ",), got ", bias.sizes());
+#ifdef FOX_WITH_CUDA
+  const char* setting = std::getenv("FOX_FUSED_FORGET_GATE");
+  if (fused(logits) && !(setting != nullptr && std::string(setting) == "0") &&
+      (!bias.defined() || (bias.device() == logits.device() &&
+                           (bias.scalar_type() == logits.scalar_type() ||
+                            bias.scalar_type() == torch::kFloat32)))) {
+    return ForgetGateFunction::apply(logits, bias.defined() ? std::optional(bias) : std::nullopt);
+  }
+#endif
+  auto z = bias.defined() ? logits + bias.to(logits.scalar_type()) : logits;
+  return torch::log_sigmoid(z.to(compute_dtype(logits)));
 }
 
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act) {

@@ -373,6 +373,12 @@ void init_nn_bindings(py::module_& parent) {
       py::arg("x"), py::arg("weight"), py::arg("group_size"), py::arg("eps"));
   f.def("shift_mix", &functional::shift_mix, py::arg("cur"), py::arg("shift_logits"),
         py::arg("first") = std::nullopt);
+  f.def(
+      "log_forget_gate",
+      [](const torch::Tensor& logits, const std::optional<torch::Tensor>& bias) {
+        return functional::log_forget_gate(logits, bias.value_or(torch::Tensor()));
+      },
+      py::arg("logits"), py::arg("bias") = std::nullopt);
   f.def("gated", &functional::gated, py::arg("gate"), py::arg("value"), py::arg("act"));
   f.def(
       "add_rms_norm",

@@ -104,6 +104,50 @@ def test_shift_mix_single_token_with_state(device):
                                ref_shift_mix(cur, logits, first, torch.float32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", ["float32", "same", None])  # a float32 parameter under autocast
+def test_log_forget_gate(device, dtype, bias, monkeypatch):
+    """log f = logsigmoid(logits + bias), the logits a slice of a wider projection (as the
+    attention layer passes them), some far in the tails: the output (float32) and the gradients
+    of the projection and of the bias by the 2x rule against float64, the naive side being the
+    composition (FOX_FUSED_FORGET_GATE=0: the bias cast to the logits' dtype, added, cast up,
+    log-sigmoid); and, fused, the output within one float32 ulp of the exact log-sigmoid of the
+    sum as the composition rounds it (the kernel evaluates it in float64 and rounds once)."""
+    B, T, H = 2, 37, 5
+    wide = 3 * torch.randn(B, T, 40 + H, device=device)
+    wide[0, :4, 40:] = torch.tensor([-90.0, -20.0, 30.0, 90.0], device=device)[:, None]
+    wide = wide.to(dtype)
+    inputs = [wide]
+    if bias is not None:
+        inputs.append(torch.randn(H, device=device).to(torch.float32 if bias == "float32" else dtype))
+
+    def fn(wide, *b):
+        return fused.log_forget_gate(wide[..., 40:], b[0] if b else None)
+
+    def ref(wide, *b):  # float64: no rounding of the sum
+        z = wide[..., 40:] + (b[0] if b else 0)
+        return F.logsigmoid(z)
+
+    grad_out = torch.randn(B, T, H, device=device)
+    got_out, got_grads = forward_backward(fn, inputs, grad_out)
+    ref_out, ref_grads = forward_backward(ref, [x.double() for x in inputs], grad_out.double())
+    monkeypatch.setenv("FOX_FUSED_FORGET_GATE", "0")
+    naive_out, naive_grads = forward_backward(fn, inputs, grad_out)
+    monkeypatch.delenv("FOX_FUSED_FORGET_GATE")
+    assert got_out.dtype == torch.float32 and naive_out.dtype == torch.float32
+    names = ["dlogits"] + (["dbias"] if bias is not None else [])
+    problems = rule_violations(["out"], [got_out], [ref_out], [naive_out], torch.float32)
+    problems += rule_violations(names, got_grads, ref_grads, naive_grads, dtype)
+    assert not problems, problems
+    if device == "cuda":
+        # The sum rounded as the composition rounds it, then the log-sigmoid exactly (results
+        # below float32's normal range may flush to zero).
+        summed = wide[..., 40:] + (inputs[1].to(dtype) if bias is not None else 0)
+        exact = F.logsigmoid(summed.double())
+        f32 = torch.finfo(torch.float32)
+        assert ((got_out.double() - exact).abs() <= f32.eps * exact.abs() + f32.tiny).all()
+
+
 # ---- the inference paths: few-row linear, residual add + norm, KV-shift with the state --------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

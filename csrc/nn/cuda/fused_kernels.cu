@@ -528,6 +528,45 @@ __global__ void cache_write_kernel(const T* __restrict__ k_new, int64_t kn_bs, i
   }
 }
 
+// ---- forget gate ---------------------------------------------------------------------------------
+// log f = logsigmoid(logit + bias) of a training forward, one launch for the bias's cast, the add,
+// the cast up and the log-sigmoid. The sum is rounded as the composition rounds it (the bias cast to
+// the logits' dtype, the sum in float32 rounded to it); the log-sigmoid and its derivative are
+// evaluated in float64 (the build's fast math approximates float32 exp) and rounded once.
+template <typename T, typename BT>
+__device__ __forceinline__ float biased_logit(T logit, const BT* bias, int h) {
+  if (bias == nullptr) return static_cast<float>(logit);
+  const T b = static_cast<T>(static_cast<float>(bias[h]));
+  return static_cast<float>(static_cast<T>(static_cast<float>(logit) + static_cast<float>(b)));
+}
+
+template <typename T, typename BT>
+__global__ void forget_gate_forward_kernel(const T* __restrict__ logits, int64_t l_bs, int64_t l_ts,
+                                           const BT* __restrict__ bias, float* __restrict__ out,
+                                           int64_t n, int T_len, int H) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int h = int(i % H);
+  const int64_t bt = i / H, b = bt / T_len, t = bt % T_len;
+  const double x = biased_logit(logits[b * l_bs + t * l_ts + h], bias, h);
+  out[i] = static_cast<float>(fmin(x, 0.0) - log1p(exp(-fabs(x))));
+}
+
+// dlogit = dlogf * sigmoid(-x), rounded to float32 and then to the logits' dtype (the composition's
+// cast back down).
+template <typename T, typename BT>
+__global__ void forget_gate_backward_kernel(const float* __restrict__ dout,
+                                            const T* __restrict__ logits, int64_t l_bs,
+                                            int64_t l_ts, const BT* __restrict__ bias,
+                                            T* __restrict__ dlogits, int64_t n, int T_len, int H) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int h = int(i % H);
+  const int64_t bt = i / H, b = bt / T_len, t = bt % T_len;
+  const double x = biased_logit(logits[b * l_bs + t * l_ts + h], bias, h);
+  dlogits[i] = static_cast<T>(static_cast<float>(double(dout[i]) / (1.0 + exp(x))));
+}
+
 // ---- host side ------------------------------------------------------------------------------------
 
 #define FOX_FLOAT_TYPES(TYPE, NAME, ...)                        \
@@ -941,6 +980,49 @@ void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Ten
       with_gate_out(scalar_t());
     }
   });
+}
+
+void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& out) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t n = logits.numel();
+  if (n == 0) return;
+  const int T_len = int(logits.size(1)), H = int(logits.size(2));
+  constexpr int kThreads = 256;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate_forward", [&] {
+    auto run = [&](auto bias_type) {
+      using BT = decltype(bias_type);
+      forget_gate_forward_kernel<scalar_t, BT><<<unsigned(blocks_for(n, kThreads)), kThreads, 0,
+                                                 stream>>>(
+          logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), optional_ptr<BT>(bias),
+          out.data_ptr<float>(), n, T_len, H);
+    };
+    if (bias.defined() && bias.scalar_type() == at::kFloat) run(float());
+    else run(scalar_t());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, const at::Tensor& bias,
+                          const at::Tensor& dlogits) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t n = logits.numel();
+  if (n == 0) return;
+  const int T_len = int(logits.size(1)), H = int(logits.size(2));
+  constexpr int kThreads = 256;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate_backward", [&] {
+    auto run = [&](auto bias_type) {
+      using BT = decltype(bias_type);
+      forget_gate_backward_kernel<scalar_t, BT><<<unsigned(blocks_for(n, kThreads)), kThreads, 0,
+                                                  stream>>>(
+          dout.data_ptr<float>(), logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
+          optional_ptr<BT>(bias), dlogits.data_ptr<scalar_t>(), n, T_len, H);
+    };
+    if (bias.defined() && bias.scalar_type() == at::kFloat) run(float());
+    else run(scalar_t());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace fox::nn::cuda

@@ -59,6 +59,15 @@ void gated_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor&
 // columns of a wider tensor).
 void copy_rows(const at::Tensor& src, const at::Tensor& dst);
 
+// log f = logsigmoid(logits + bias) in float32: logits (B, T, H) with a contiguous last dimension
+// (float32/float16/bfloat16), bias (H,) of the logits' dtype or float32, or undefined; the bias is
+// cast to the logits' dtype and the sum rounded to it, as the composition under autocast does. out
+// (B, T, H) float32 contiguous.
+void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& out);
+// dlogits (B, T, H) contiguous, of the logits' dtype, from dout (B, T, H) float32 contiguous.
+void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, const at::Tensor& bias,
+                          const at::Tensor& dlogits);
+
 // Per-row cross entropy of logits (rows, V) against labels (rows,) int64; rows whose label is
 // ignore_index give 0. loss and lse float32 (rows,).
 void cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,

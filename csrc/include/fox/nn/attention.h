@@ -127,13 +127,18 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
   /// The log forget gates (B, T, num_heads) in float32 for input x (zeros for "none").
   torch::Tensor log_forget_gate(const torch::Tensor& x);
   /// log_forget_gate from fgate_proj(x) computed elsewhere (undefined for the other gate types).
-  torch::Tensor log_forget_gate_from(const torch::Tensor& x, const torch::Tensor& fgate_logits);
+  /// With fgate_bias, the logits come without the bias, which is added here (functional::log_forget_gate).
+  torch::Tensor log_forget_gate_from(const torch::Tensor& x, const torch::Tensor& fgate_logits,
+                                     const torch::Tensor& fgate_bias = {});
   /// Every projection of x, computed in one GEMM (views of its output; absent ones undefined).
   /// With `transform`, q, k and v come KV-shifted and normed as the layer uses them where the
   /// layer allows (functional::attention_inputs: on CUDA under autograd one node, whose backward
   /// makes the projection's gradient as one tensor); `transformed` says whether they do.
   struct InputProjections {
     torch::Tensor q, k, v, k_shift_logits, v_shift_logits, fgate_logits, ogate_logits;
+    // Under autograd the forget gate's bias, not added to fgate_logits: log_forget_gate_from adds
+    // it in the gate's one kernel.
+    torch::Tensor fgate_bias;
     bool transformed = false;
   };
   InputProjections project_input(const torch::Tensor& x, bool transform = false);

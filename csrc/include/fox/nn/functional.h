@@ -27,6 +27,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, int6
 torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_logits,
                         const std::optional<torch::Tensor>& first = std::nullopt);
 
+/// The log forget gate log f = logsigmoid(logits + bias) in float32 (float64 for float64 logits):
+/// logits (B, T, H), bias (H,) or undefined. As the composition rounds it under autocast: the bias
+/// cast to the logits' dtype, the sum rounded to it, then cast up. On CUDA one kernel forward and
+/// one backward (and the bias gradient's sum) for the composition's four launches each way, with
+/// the log-sigmoid evaluated in float64 and rounded once; elsewhere the composition.
+/// FOX_FUSED_FORGET_GATE=0 composes.
+torch::Tensor log_forget_gate(const torch::Tensor& logits, const torch::Tensor& bias);
+
 /// rms_norm(x + delta) over the whole last dimension, returning {x + delta, its norm}: a residual
 /// add and the next norm. On CUDA one kernel (the sum is rounded to x's dtype before the norm, as
 /// the separate add rounds it), with autograd too (a float32 stream plus a half-precision branch
