@@ -213,12 +213,6 @@ ForgettingAttentionLayerImpl::concatenate_projections(
   return c;
 }
 
-void ForgettingAttentionLayerImpl::append_weights_cast_alone(std::vector<torch::Tensor>& out) const {
-  // Not the input projections' biases: autograd takes their gradient through their own cast.
-  out.push_back(o_proj->weight);
-  if (o_proj->bias.defined()) out.push_back(o_proj->bias);
-}
-
 ForgettingAttentionLayerImpl::InputProjections ForgettingAttentionLayerImpl::project_input(
     const torch::Tensor& x, bool transform) {
   // One GEMM for every projection of x: the weights are concatenated (the parameters keep the

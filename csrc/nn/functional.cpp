@@ -4,7 +4,6 @@
 #include <cstdlib>
 #include <map>
 #include <string>
-#include <unordered_map>
 
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
@@ -485,67 +484,8 @@ torch::Tensor weight_arg(const torch::Tensor& t, int64_t compute) {
   return compute >= 0 ? t : autocast_arg(t);
 }
 torch::Tensor compute_copy(const torch::Tensor& t, int64_t compute) {
-  return compute >= 0 && t.defined() ? cast_for_compute(t, torch::ScalarType(compute)) : t;
+  return compute >= 0 && t.defined() ? t.to(torch::ScalarType(compute)) : t;
 }
-
-}  // namespace
-
-struct BatchedWeightCasts::Copies {
-  struct Copy {
-    uint32_t version;  // the source's version counter when copied
-    torch::Tensor tensor;
-  };
-  std::unordered_map<const c10::TensorImpl*, Copy> of;
-};
-
-namespace {
-thread_local BatchedWeightCasts::Copies* active_casts = nullptr;
-}  // namespace
-
-bool BatchedWeightCasts::wanted() {
-  const char* v = std::getenv("FOX_BATCHED_WEIGHT_CASTS");
-  if (v != nullptr && std::string(v) == "0") return false;
-  return torch::GradMode::is_enabled() && at::autocast::is_autocast_enabled(torch::kCUDA) &&
-         at::autocast::get_autocast_dtype(torch::kCUDA) != torch::kFloat32;
-}
-
-BatchedWeightCasts::BatchedWeightCasts(const std::vector<torch::Tensor>& weights)
-    : outer_(active_casts) {
-  if (!wanted()) return;
-  auto copies = std::make_unique<Copies>();
-  std::vector<torch::Tensor> sources, targets;
-  for (const auto& w : weights) {
-    // What compute_copy would cast, once each (a tied weight may be listed twice).
-    const int64_t compute = float32_gradient_dtype(w);
-    if (compute < 0 || w.key_set().has(c10::DispatchKey::Python) ||
-        copies->of.count(w.unsafeGetTensorImpl()))
-      continue;
-    sources.push_back(w.detach());
-    targets.push_back(at::empty_like(w, w.options().dtype(torch::ScalarType(compute))));
-    copies->of[w.unsafeGetTensorImpl()] = {w._version(), targets.back()};
-  }
-  if (sources.empty()) return;
-  {
-    torch::NoGradGuard no_grad;
-    at::_foreach_copy_(targets, sources);  // float32 -> bf16/fp16 as .to() rounds
-  }
-  copies_ = std::move(copies);
-  active_casts = copies_.get();
-}
-
-BatchedWeightCasts::~BatchedWeightCasts() { active_casts = outer_; }
-
-torch::Tensor cast_for_compute(const torch::Tensor& t, c10::ScalarType dtype) {
-  if (active_casts != nullptr && t.defined()) {
-    const auto it = active_casts->of.find(t.unsafeGetTensorImpl());
-    if (it != active_casts->of.end() && it->second.version == t._version() &&
-        it->second.tensor.scalar_type() == dtype)
-      return it->second.tensor;
-  }
-  return t.to(dtype);
-}
-
-namespace {
 
 // d weight = dy^T x (dy, x: rows first): in float32 from the GEMM for a weight cast in the forward.
 torch::Tensor weight_gradient(const torch::Tensor& dy, const torch::Tensor& x, bool float32) {

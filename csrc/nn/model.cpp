@@ -271,28 +271,10 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& 
   return functional::linear(hidden_states, lm_head ? lm_head->weight : model->embeddings->weight);
 }
 
-std::vector<torch::Tensor> ForgettingTransformerForCausalLMImpl::weights_cast_alone() const {
-  std::vector<torch::Tensor> out;
-  for (const auto& m : model->layers->children()) {
-    const auto* block = m->as<ForgettingTransformerBlockImpl>();
-    block->attn->append_weights_cast_alone(out);
-    for (const auto* l : {block->mlp->gate_proj.get(), block->mlp->down_proj.get()}) {
-      out.push_back(l->weight);
-      if (l->bias.defined()) out.push_back(l->bias);
-    }
-  }
-  out.push_back(lm_head ? lm_head->weight : model->embeddings->weight);
-  return out;
-}
-
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
     const torch::Tensor& input_ids, const std::optional<torch::Tensor>& labels, KVCache* cache,
     const std::optional<torch::Tensor>& seq_start, const std::string& reduction) {
   functional::check_loss_reduction(reduction, "ForgettingTransformerForCausalLM");
-  // A training forward's weight casts in one launch (a cache means decoding, whose projections
-  // read the weights in their own dtype).
-  std::optional<functional::BatchedWeightCasts> casts;
-  if (!cache && functional::BatchedWeightCasts::wanted()) casts.emplace(weights_cast_alone());
   auto hidden = model->forward(input_ids, cache, seq_start);
   if (!labels.has_value() || !labels->defined()) return logits(hidden);
   TORCH_CHECK(labels->sizes() == input_ids.sizes(), "ForgettingTransformerForCausalLM: labels ",

@@ -322,42 +322,6 @@ def test_zero_grad_as_nn_module():
         assert p.grad is kept[n] and torch.count_nonzero(p.grad) == 0, n
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("arch,tied", [("fox_pro", False), ("fox_llama", True)])
-@pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_batched_weight_casts_same_bits_fewer_launches(arch, tied, reduction, monkeypatch):
-    """A training forward under bf16 autocast casts the weights it reads alone (o_proj, the MLP,
-    the LM head: tied, the embedding) in one launch: the loss and
-    every gradient bitwise those of the casts one by one (FOX_BATCHED_WEIGHT_CASTS=0), with that
-    many cast kernels fewer."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    model = randomized(fnn.ForgettingTransformerForCausalLM(
-        tiny(arch, tie_word_embeddings=tied))).cuda()
-    ids = torch.randint(0, 53, (2, 40), device="cuda")
-
-    def step(batched):
-        monkeypatch.setenv("FOX_BATCHED_WEIGHT_CASTS", "1" if batched else "0")
-        model.zero_grad()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids, reduction=reduction)
-            torch.cuda.synchronize()
-        loss.float().sum().backward()
-        casts = sum(e.count for e in prof.key_averages() if "bfloat16_copy_kernel" in e.key)
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, casts
-
-    loss0, grads0, casts0 = step(False)
-    loss1, grads1, casts1 = step(True)
-    assert torch.equal(loss0, loss1)
-    for name in grads0:
-        assert torch.equal(grads0[name], grads1[name]), name
-    # Per block o_proj, gate_proj and down_proj, and the LM head.
-    alone = len(model.model.layers) * 3 + 1
-    assert casts1 <= casts0 - alone, (casts0, casts1)
-
-
 # ---- the training step's memory savings ------------------------------------------------------------
 
 SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}

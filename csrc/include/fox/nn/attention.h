@@ -171,11 +171,6 @@ class ForgettingAttentionLayerImpl : public torch::nn::Cloneable<ForgettingAtten
 
  public:
 
-  /// Appends what this layer's forward casts one by one under autocast for a product that makes
-  /// its gradient itself: o_proj's weight and bias (the input projections' weights are
-  /// concatenated and cast whole).
-  void append_weights_cast_alone(std::vector<torch::Tensor>& out) const;
-
   int64_t head_dim() const { return options.hidden_size() / options.num_heads(); }
   int64_t num_kv_heads() const { return options.num_kv_heads().value_or(options.num_heads()); }
 

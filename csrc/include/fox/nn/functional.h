@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -73,35 +72,6 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
                                             const AttentionInputLayout& layout,
                                             const torch::Tensor& q_norm_weight = {},
                                             const torch::Tensor& k_norm_weight = {});
-
-/// The compute-dtype copies of float32 weights that a training forward under CUDA autocast
-/// multiplies in, made in one multi-tensor launch for the whole forward: while one is alive on
-/// this thread, linear, gated_linear, split_gated_linear and linear_cross_entropy (and
-/// cast_for_compute) take a listed weight's copy instead of casting it themselves, a launch each
-/// (a training step's forward runs at the pace of the host's launches). The same bits. Copies
-/// only what those functions would cast (float32 CUDA tensors that take a gradient, with grad
-/// mode and autocast on; not tensor subclasses such as FSDP2's sharded parameters); nothing with
-/// FOX_BATCHED_WEIGHT_CASTS=0 (read at each construction, for comparisons).
-class BatchedWeightCasts {
- public:
-  /// Whether a BatchedWeightCasts made now would copy anything (switch, grad mode, autocast).
-  static bool wanted();
-  explicit BatchedWeightCasts(const std::vector<torch::Tensor>& weights);
-  ~BatchedWeightCasts();
-  BatchedWeightCasts(const BatchedWeightCasts&) = delete;
-  BatchedWeightCasts& operator=(const BatchedWeightCasts&) = delete;
-
-  struct Copies;  // (defined in functional.cpp)
-
- private:
-  std::unique_ptr<Copies> copies_;
-  Copies* outer_;  // the one alive before this (restored by the destructor)
-};
-
-/// t in `dtype`: the BatchedWeightCasts copy of t where one is alive and t is unchanged since,
-/// else t.to(dtype). The copy is not differentiable: for functions that make t's gradient
-/// themselves.
-torch::Tensor cast_for_compute(const torch::Tensor& t, c10::ScalarType dtype);
 
 /// x @ weight^T (+ bias) (+ residual): F.linear, with an optional residual added in the same
 /// pass. On CUDA without autograd, for up to 8 rows of fp16/bf16 (weight of x's dtype), one

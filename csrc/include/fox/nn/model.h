@@ -192,10 +192,6 @@ class ForgettingTransformerForCausalLMImpl
   /// call): 0 keeps the whole logits instead (comparisons), N > 0 takes N rows per chunk.
   torch::Tensor loss(const torch::Tensor& hidden_states, const torch::Tensor& labels,
                      const std::string& reduction = "none");
-  /// The weights (and biases) a forward casts one by one under autocast: every block's o_proj
-  /// and MLP projections, the LM head. A training forward casts them in one launch
-  /// (functional::BatchedWeightCasts).
-  std::vector<torch::Tensor> weights_cast_alone() const;
   /// A fresh, empty cache for this model.
   KVCache new_cache() const { return KVCache(config.num_hidden_layers()); }
   /// A static cache (see cache.h) for `batch` rows of up to `max_length` tokens; K and V in
