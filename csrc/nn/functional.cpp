@@ -228,7 +228,7 @@ struct ForgetGateFunction : public torch::autograd::Function<ForgetGateFunction>
     torch::Tensor dbias;
     if (bias.defined() && ctx->needs_input_grad(1)) {
       // The composition's: the broadcast add's sum in the logits' dtype, then the bias's cast.
-      dbias = dlogits.sum({0, 1}).to(bias.scalar_type());
+      dbias = dlogits.sum(at::IntArrayRef{0, 1}).to(bias.scalar_type());
     }
     return {dlogits, dbias};
   }
