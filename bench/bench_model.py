@@ -12,6 +12,7 @@ events after warm-up, median.
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -363,6 +364,22 @@ def head_start_ms(step, reps=10, cycles=40_000_000):
     return statistics.median(plain), statistics.median(ahead)
 
 
+def zero_grad_ms(model, step, reps=10):
+    """Median host ms of zero_grad(set_to_none=True) after a step, ours (the C++ tree releases its
+    gradients) against torch::nn::Module::zero_grad (which detaches each gradient first)."""
+    out = []
+    for release in (model.zero_grad, lambda: model.cpp_module.zero_grad(True)):
+        times = []
+        for _ in range(reps):
+            step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            release()
+            times.append((time.perf_counter() - t) * 1e3)
+        out.append(statistics.median(times))
+    return out
+
+
 def gaps_table(args):
     """The step's time against the GPU's own time (a head start), and where the GPU waits."""
     B, T = args.batch, args.seqlen
@@ -372,6 +389,8 @@ def gaps_table(args):
         print(f"\n# {arch}, B={B}, T={T}: step {t:.2f} ms, with a head start {gpu:.2f} ms: the "
               f"GPU waits {t - gpu:.2f} ms for the host")
         print_gaps(arch, step)
+        ours, module_s = zero_grad_ms(model, step)
+        print(f"\nzero_grad: {ours:.3f} ms of host time (torch::nn::Module's: {module_s:.3f} ms)")
         ids = torch.randint(0, args.vocab, (B, T), device="cuda")
 
         def forward():

@@ -102,9 +102,9 @@ class _CppModuleMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # nn.Module's walks parameters(), a conversion of the whole C++ tree to Python (~1 ms of
-        # host time at 12 layers, before a step's first kernel); the C++ module resets its own.
+        # host time at 12 layers, before a step's first kernel); the C++ tree releases its own.
         if set_to_none:
-            self.cpp_module.zero_grad()
+            _nn.release_gradients(self.cpp_module)
         else:
             super().zero_grad(set_to_none=False)
 

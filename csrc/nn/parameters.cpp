@@ -51,4 +51,9 @@ void replace_parameter(torch::nn::Module& module, const std::string& name,
   *member = value;
 }
 
+void release_gradients(torch::nn::Module& module) {
+  for (auto& p : module.named_parameters(/*recurse=*/false)) p->mutable_grad().reset();
+  for (const auto& child : module.children()) release_gradients(*child);
+}
+
 }  // namespace fox::nn

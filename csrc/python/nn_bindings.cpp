@@ -321,7 +321,10 @@ void init_nn_bindings(py::module_& parent) {
       py::arg("model"), py::arg("path"), py::arg("strict") = false,
       "Copies the weights of a checkpoint directory (or a .safetensors file) into the model");
 
-  // ---- parameter swapping (FSDP2) -------------------------------------------------------------
+  // ---- parameters from outside the forward ----------------------------------------------------
+  m.def("release_gradients", &release_gradients, py::arg("module"),
+        "Sets every parameter's gradient to None (zero_grad(set_to_none=True) without "
+        "torch::nn::Module's detach per gradient)");
   m.def("replace_parameter", &replace_parameter, py::arg("module"), py::arg("name"),
         py::arg("value"),
         "Re-points parameter `name` of a C++ module (registered entry and forward's member) to "

@@ -624,16 +624,23 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
             n_valid = int((labels != -100).sum())           # over the global batch
             ids, labels = ids[lo:lo + local_B], labels[lo:lo + local_B]
             ids, labels = sequence_part(ids), sequence_part(labels)
+            if device.type == "cuda":
+                # Pinned, so that the copies are queued: a pageable copy waits for the GPU.
+                ids, labels = ids.pin_memory(), labels.pin_memory()
             record = {"step": step + 1, "tokens": (step + 1) * B * T}
+            # The loss and the gradient norm are read back (which waits for the GPU) only at the
+            # logged steps: between them the host queues the next steps while the GPU runs.
+            log = (step + 1) % cfg["log_interval"] == 0 or step + 1 == steps or step == start_step
             for a in archs:
                 model, opt = models[a], opts[a]
                 lr = lr_at(step, float(cfgmod.per_model(cfg["lr"], a)), cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
-                loss_sum = torch.zeros((), dtype=torch.float64)
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for i in range(0, local_B, mb):
-                    x, y = ids[i:i + mb].to(device), labels[i:i + mb].to(device)
+                    x = ids[i:i + mb].to(device, non_blocking=True)
+                    y = labels[i:i + mb].to(device, non_blocking=True)
                     sync = (not ddp.enabled or i + mb >= local_B or
                             not hasattr(wrapped[a], "no_sync"))
                     with (contextlib.nullcontext() if sync else wrapped[a].no_sync()):
@@ -643,20 +650,21 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                         loss = summed.float() / n_valid
                         # DDP averages gradients over ranks: scale so that they are the sum.
                         (loss * ddp.world if ddp.enabled else loss).backward()
-                    loss_sum += loss.detach().double().cpu()
-                loss_sum = float(ddp.sum_(loss_sum))
+                    loss_sum += loss.detach().double()
+                ddp.sum_(loss_sum)
                 gnorm = clip_grad_norm([p for g in opt.param_groups for p in g["params"]],
                                        cfg["grad_clip"])
                 opt.step()
-                last[a] = loss_sum
-                record[a] = {"loss": round(loss_sum, 5), "lr": lr, "grad_norm": round(float(gnorm), 4)}
+                if log:
+                    last[a] = float(loss_sum)
+                    record[a] = {"loss": round(last[a], 5), "lr": lr,
+                                 "grad_norm": round(float(gnorm), 4)}
             step += 1
             tokens_this_run += B * T * len(archs)
             dt = time.perf_counter() - t0
             tps = tokens_this_run / dt
             eta = dt / (step - start_step) * (steps - step)
             record.update({"time": round(elapsed_before + dt, 3), "tokens_per_s": round(tps, 1)})
-            log = step % cfg["log_interval"] == 0 or step == steps or step == start_step + 1
             if log:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
