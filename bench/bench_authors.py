@@ -12,7 +12,10 @@ imported from there first, its modules are then taken out of sys.modules, and ou
 
 Both run forward + backward of the mean token loss under bf16 autocast with float32 parameters and
 the same weights (the losses agree), the same random tokens, the gradients set to None before each
-step as a training loop does, the steps interleaved (median of each side's steps). Peak memory:
+step as a training loop does, the steps interleaved (median of each side's steps), each step
+timed from an idle GPU (the host's launches before the GPU has work count) and, in a second
+column, four steps back to back per timing (a loop that reads its loss back only at logged steps,
+as `fox train` does: the host queues the next step while the GPU runs). Peak memory:
 the largest allocation during a step with the gradients of the step before still held, and from
 zero gradients (optimizer state aside).
 
@@ -125,9 +128,10 @@ def main():
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; 125M-class: hidden 768, "
           f"{args.layers} layers, 12 heads, vocab {args.vocab}, bf16 autocast, fwd+bwd")
     print("| model | B x T | ours k tokens/s (MFU) | authors' k tokens/s (MFU) | ratio | ours with "
-          "the per-token loss: k tokens/s, ratio | ours peak GiB (held / from zero) | authors' "
-          "peak GiB | peak ratio | loss (ours / authors') |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "the per-token loss: k tokens/s, ratio | 4 steps a sync: ours / authors' k tokens/s, "
+          "ratio | ours peak GiB (held / from zero) | authors' peak GiB | peak ratio | loss (ours "
+          "/ authors') |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs.split(","):
         for shape in args.shapes:
             B, T = (int(x) for x in shape.split("x"))
@@ -143,13 +147,15 @@ def main():
             per_token_step = training_step(ours, ids, labels, authors=False, per_token=True)
             t_ours, t_theirs, t_per_token = interleaved_ms([our_step, their_step, per_token_step],
                                                            args.reps)
+            t_ours_run, t_theirs_run = interleaved_ms([our_step, their_step], args.reps, run=4)
             flops = training_flops_per_token(ours, T)
             tok = B * T / 1e3
             print(f"| {arch} | {B} x {T} | {tok / t_ours * 1e3:,.0f} "
                   f"({mfu(tok / t_ours * 1e6, flops):.1%}) | {tok / t_theirs * 1e3:,.0f} "
                   f"({mfu(tok / t_theirs * 1e6, flops):.1%}) | {t_theirs / t_ours:.2f} | "
                   f"{tok / t_per_token * 1e3:,.0f}, {t_theirs / t_per_token:.2f} | "
-                  f"{ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
+                  f"{tok / t_ours_run * 1e3:,.0f} / {tok / t_theirs_run * 1e3:,.0f}, "
+                  f"{t_theirs_run / t_ours_run:.2f} | {ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
                   f"{theirs_peak[1]:.2f} | {ours_peak[0] / theirs_peak[0]:.2f} | "
                   f"{losses[0]:.4f} / {losses[1]:.4f} |", flush=True)
             del ours, theirs, our_step, their_step, per_token_step

@@ -72,9 +72,12 @@ def eager_loss(c, p, ids, labels, block_mask):
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def interleaved_ms(steps, reps=10):
+def interleaved_ms(steps, reps=10, run=1):
     """Median ms of each closure after 3 warm-up calls, the closures alternating call by call (a
-    drift of the clocks during the run hits every side alike)."""
+    drift of the clocks during the run hits every side alike). Each timing starts from an idle
+    GPU; with run > 1 it covers `run` calls back to back, without a synchronization between them
+    (a training loop that reads its loss back only at logged steps: the host queues the next
+    step while the GPU runs the last), and gives the time per call."""
     for step in steps:
         for _ in range(3):
             step()
@@ -84,10 +87,11 @@ def interleaved_ms(steps, reps=10):
         for step, t in zip(steps, times):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            step()
+            for _ in range(run):
+                step()
             b.record()
             torch.cuda.synchronize()
-            t.append(a.elapsed_time(b))
+            t.append(a.elapsed_time(b) / run)
     return [statistics.median(t) for t in times]
 
 
@@ -368,7 +372,7 @@ def zero_grad_ms(model, step, reps=10):
     """Median host ms of zero_grad(set_to_none=True) after a step, ours (the C++ tree releases its
     gradients) against torch::nn::Module::zero_grad (which detaches each gradient first)."""
     out = []
-    for release in (model.zero_grad, lambda: model.cpp_module.zero_grad(True)):
+    for release in (model.zero_grad, model.cpp_module.zero_grad):
         times = []
         for _ in range(reps):
             step()
