@@ -322,6 +322,31 @@ def test_zero_grad_as_nn_module():
         assert p.grad is kept[n] and torch.count_nonzero(p.grad) == 0, n
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("preset", ["fox_pro", "fox_llama"])
+def test_training_step_is_deterministic(preset):
+    """Two training steps of one model on the same tokens (bf16 autocast, summed loss, tokens
+    repeated many times) give bitwise the same loss and gradients: not only the attention backward
+    but everything around it accumulates in a fixed order."""
+    torch.manual_seed(0)
+    c = fnn.ForgettingTransformerConfig(vocab_size=64, hidden_size=128, num_hidden_layers=2,
+                                        num_heads=2).preset(preset)
+    model = fnn.ForgettingTransformerForCausalLM(c).cuda()
+    ids = torch.randint(0, 64, (2, 700), device="cuda")
+
+    def step():
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, reduction="sum")
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (loss1, grads1), (loss2, grads2) = step(), step()
+    assert torch.equal(loss1, loss2)
+    assert [n for n in grads1 if not torch.equal(grads1[n], grads2[n])] == []
+
+
 # ---- the training step's memory savings ------------------------------------------------------------
 
 SAVINGS_OFF = {"FOX_RECOMPUTE_GATED": "0", "FOX_LOSS_CHUNK_ROWS": "0"}
