@@ -207,6 +207,29 @@ struct ShiftMixFunction : public torch::autograd::Function<ShiftMixFunction> {
   }
 };
 
+struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& weight,
+                               const torch::Tensor& ids, int64_t padding_idx) {
+    ctx->save_for_backward({ids});
+    ctx->saved_data["rows"] = weight.size(0);
+    ctx->saved_data["padding_idx"] = padding_idx;
+    return at::embedding(weight, ids, padding_idx);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto ids = ctx->get_saved_variables()[0].reshape({-1});
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    const int64_t padding_idx = ctx->saved_data["padding_idx"].toInt();
+    const auto dy = grads[0].reshape({ids.numel(), -1});
+    auto dweight = torch::zeros({rows, dy.size(1)}, dy.options());
+    c10::List<std::optional<torch::Tensor>> index;
+    index.push_back(ids);
+    dweight.index_put_(index, dy, /*accumulate=*/true);
+    if (padding_idx >= 0) dweight[padding_idx].zero_();
+    return {dweight, torch::Tensor(), torch::Tensor()};
+  }
+};
+
 struct ForgetGateFunction : public torch::autograd::Function<ForgetGateFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits_in,
                                const std::optional<torch::Tensor>& bias_opt) {
@@ -1113,6 +1136,19 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
   auto now = cur.reshape({B, T, H, D}).to(gate_dtype);
   auto before = prev.view({B, T, H, D}).to(gate_dtype);
   return (alpha * before + (1 - alpha) * now).to(cur.scalar_type()).view({B, T, C});
+}
+
+torch::Tensor embedding(const torch::Tensor& ids, const torch::Tensor& weight,
+                        std::optional<int64_t> padding_idx) {
+  TORCH_CHECK(weight.dim() == 2, "embedding: weight must be (rows, dim), got ", weight.sizes());
+  TORCH_CHECK(ids.scalar_type() == torch::kLong || ids.scalar_type() == torch::kInt,
+              "embedding: ids must be int64 or int32, got ", ids.scalar_type());
+  const int64_t padding = padding_idx.value_or(-1);
+#ifdef FOX_WITH_CUDA
+  if (weight.is_cuda() && weight.requires_grad() && torch::GradMode::is_enabled())
+    return EmbeddingFunction::apply(weight, ids, padding);
+#endif
+  return at::embedding(weight, ids, padding);
 }
 
 torch::Tensor log_forget_gate(const torch::Tensor& logits, const torch::Tensor& bias) {

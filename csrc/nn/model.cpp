@@ -153,7 +153,9 @@ torch::Tensor ForgettingTransformerModelImpl::forward(const torch::Tensor& input
                                                       const std::optional<torch::Tensor>& seq_start) {
   TORCH_CHECK(input_ids.dim() == 2, "ForgettingTransformerModel: input_ids must be (batch, seqlen), got ",
               input_ids.sizes());
-  return forward_embeds(embeddings(input_ids), cache, seq_start);
+  return forward_embeds(
+      functional::embedding(input_ids, embeddings->weight, embeddings->options.padding_idx()),
+      cache, seq_start);
 }
 
 void ForgettingTransformerModelImpl::set_sequence_shard(std::shared_ptr<SequenceShard> shard) {

@@ -34,6 +34,13 @@ torch::Tensor shift_mix(const torch::Tensor& cur, const torch::Tensor& shift_log
 /// FOX_FUSED_FORGET_GATE=0 composes.
 torch::Tensor log_forget_gate(const torch::Tensor& logits, const torch::Tensor& bias);
 
+/// weight[ids], as F.embedding (with padding_idx, that row gets no gradient). On CUDA under
+/// autograd the weight's gradient sums the rows of repeated ids in a fixed order (index_put_ with
+/// accumulate sorts the ids first): ATen's embedding backward sums them in an order that changes
+/// from run to run on batches of thousands of ids, so two identical training steps would differ.
+torch::Tensor embedding(const torch::Tensor& ids, const torch::Tensor& weight,
+                        std::optional<int64_t> padding_idx = std::nullopt);
+
 /// rms_norm(x + delta) over the whole last dimension, returning {x + delta, its norm}: a residual
 /// add and the next norm. On CUDA one kernel (the sum is rounded to x's dtype before the norm, as
 /// the separate add rounds it), with autograd too (a float32 stream plus a half-precision branch
