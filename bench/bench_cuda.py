@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import forgetting_transformer  # noqa: F401  (loads torch.ops.fox)
 from flex_fox import fox_score_mod
+from profiling import profiled
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
 
@@ -217,14 +218,7 @@ def bench_prefill(D, H, N, thr=None, with_flex=True, with_sdpa=True):
 
 def kernel_times(fn, reps=10):
     """{kernel name: time per call in us} of fn's CUDA kernels (torch profiler, after warm-up)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, reps, warmup=3)
     times = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

@@ -21,6 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from forgetting_transformer import nn as fnn
 from forgetting_transformer.reference import rope, shift  # the same KV-shift and RoPE math
 from flex_fox import fox_score_mod
+from profiling import profiled
 import switches
 
 flex = torch.compile(flex_attention, dynamic=False)
@@ -152,14 +153,7 @@ def print_gaps(title, step, steps=3, top=25, min_us=2.0):
     host-side tracing, which would slow the host and make its own gaps)."""
     import json
     import tempfile
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    prof = profiled(step, steps)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
@@ -182,13 +176,8 @@ def print_host_ops(title, forward, steps=3, top=25):
     """The host's ATen calls in a training forward (CPU activity only): calls a step and self
     host time a step by op, most time first. The profiler's own cost per call inflates every
     row alike; the ranking and the counts are what this is for."""
-    from torch.profiler import ProfilerActivity, profile
-    forward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            forward()
-        torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity
+    prof = profiled(forward, steps, [ProfilerActivity.CPU], warmup=1)
     ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     ops.sort(key=lambda e: -e.self_cpu_time_total)
     calls = sum(e.count for e in ops) // steps

@@ -2,7 +2,8 @@
 in-process comparison of two builds of the Hopper kernels (A from a git revision, B from the working
 tree): it compiles and links (running it needs an H100 or H200), names what it compared, and refuses
 an unknown option with its usage. bench/backward_order_model.py, the fused backward's schedule
-model: its orders against one another, and a grid that cannot deadlock never does."""
+model: its orders against one another, and a grid that cannot deadlock never does. The trace
+arithmetic of bench_model.py --gaps, and bench/profiling.py's profiler over a closure's calls."""
 import importlib.util
 import os
 import shutil
@@ -108,3 +109,23 @@ def test_idle_summary(monkeypatch):
     assert s["by_kernel_us"] == pytest.approx({"k1": 4.0})
     assert s["tenths_us"] == pytest.approx([0, 0, 4.0, 0, 0, 0, 0, 0.5, 0, 0])
     assert s["largest"][0] == (5, "k0", "k1")
+
+
+def test_profiled_counts_the_profiled_calls_only(monkeypatch):
+    """bench/profiling.py's profiled: the warm-up calls run outside the profile, the profiled
+    calls inside it (here on the CPU: one aten::add a call)."""
+    from torch.profiler import ProfilerActivity
+    import torch
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    from profiling import profiled
+    calls = []
+    x = torch.ones(4)
+
+    def fn():
+        calls.append(1)
+        return x + 1
+
+    prof = profiled(fn, 3, [ProfilerActivity.CPU], warmup=2)
+    assert len(calls) == 5
+    adds = [e for e in prof.key_averages() if e.key == "aten::add"]
+    assert len(adds) == 1 and adds[0].count == 3
