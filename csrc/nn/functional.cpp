@@ -27,6 +27,13 @@ torch::ScalarType compute_dtype(const torch::Tensor& x) {
   return x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 }
 
+// Whether the comparison switch `name` (a FOX_* environment variable, read at each call so that
+// one process can time both sides) is set to 0.
+bool switched_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string(v) == "0";
+}
+
 // The fused kernels serve CUDA tensors in float32/float16/bfloat16.
 bool fused(const torch::Tensor& x) {
 #ifdef FOX_WITH_CUDA
@@ -924,9 +931,8 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
   }
   // With autograd (a training step): the fused function where the kernels take these tensors.
   // FOX_FUSED_ADD_NORM=0: the separate steps (comparisons; read at each call).
-  const char* switch_env = std::getenv("FOX_FUSED_ADD_NORM");
-  const bool switched_off = switch_env != nullptr && std::string(switch_env) == "0";
-  if (!switched_off && fused(x) && fused(delta) && x.numel() > 0 && delta.device() == x.device() &&
+  if (!switched_off("FOX_FUSED_ADD_NORM") && fused(x) && fused(delta) && x.numel() > 0 &&
+      delta.device() == x.device() &&
       (delta.scalar_type() == x.scalar_type() ||
        (x.scalar_type() == torch::kFloat32 && delta.scalar_type() != torch::kFloat32)) &&
       (!weight.defined() || (weight.dim() == 1 && weight.size(0) == C &&
@@ -1016,8 +1022,7 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
   }
   auto part = [&](int64_t first, int64_t width) { return y.narrow(2, first, width); };
 #ifdef FOX_WITH_CUDA
-  const char* setting = std::getenv("FOX_FUSED_ATTENTION_INPUTS");
-  const bool wanted = setting == nullptr || std::string(setting) != "0";
+  const bool wanted = !switched_off("FOX_FUSED_ATTENTION_INPUTS");
   // The kernels' conditions: y's dtype is the norms' output dtype (no autocast cast of a float32
   // y), and every part's rows fit the row kernels (the gradient's columns then do too: same
   // width, offsets and row stride).
@@ -1073,10 +1078,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias, const torch::Tensor& residual) {
 #ifdef FOX_WITH_CUDA
   // FOX_SMALL_BATCH_LINEAR=0: always F.linear (for comparisons).
-  static const bool enabled = [] {
-    const char* v = std::getenv("FOX_SMALL_BATCH_LINEAR");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool enabled = !switched_off("FOX_SMALL_BATCH_LINEAR");
   // Under autocast F.linear would compute in the autocast dtype: only that dtype takes the kernel.
   if (enabled && x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
       x.numel() / x.size(-1) <= cuda::kSmallBatchMaxRows &&
@@ -1157,8 +1159,7 @@ torch::Tensor log_forget_gate(const torch::Tensor& logits, const torch::Tensor& 
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == logits.size(2)),
               "log_forget_gate: bias must be (", logits.size(2), ",), got ", bias.sizes());
 #ifdef FOX_WITH_CUDA
-  const char* setting = std::getenv("FOX_FUSED_FORGET_GATE");
-  if (fused(logits) && !(setting != nullptr && std::string(setting) == "0") &&
+  if (fused(logits) && !switched_off("FOX_FUSED_FORGET_GATE") &&
       (!bias.defined() || (bias.device() == logits.device() &&
                            (bias.scalar_type() == logits.scalar_type() ||
                             bias.scalar_type() == torch::kFloat32)))) {
@@ -1187,9 +1188,7 @@ torch::Tensor gated_linear(const torch::Tensor& gate, const torch::Tensor& value
                            const std::string& act, const torch::Tensor& weight,
                            const torch::Tensor& bias, const torch::Tensor& residual) {
   // FOX_RECOMPUTE_GATED=0 (read at each call, for comparisons) keeps the product.
-  const char* recompute = std::getenv("FOX_RECOMPUTE_GATED");
-  if (without_autograd({gate, value, weight, bias}) ||
-      (recompute != nullptr && std::string(recompute) == "0")) {
+  if (without_autograd({gate, value, weight, bias}) || switched_off("FOX_RECOMPUTE_GATED")) {
     return linear(gated(gate, value, act), weight, bias, residual);
   }
   is_silu(act);  // checks act before the autograd function takes it
@@ -1209,9 +1208,8 @@ torch::Tensor split_gated_linear(const torch::Tensor& gate_value, const std::str
               gate_value.sizes());
   const int64_t F = gate_value.size(-1) / 2;
 #ifdef FOX_WITH_CUDA
-  const char* recompute = std::getenv("FOX_RECOMPUTE_GATED");
-  if (!without_autograd({gate_value, weight, bias}) &&
-      !(recompute != nullptr && std::string(recompute) == "0") && fused(gate_value) &&
+  if (!without_autograd({gate_value, weight, bias}) && !switched_off("FOX_RECOMPUTE_GATED") &&
+      fused(gate_value) &&
       gate_value.numel() > 0 && autocast_arg(gate_value).scalar_type() == gate_value.scalar_type()) {
     auto gv = rows_view(gate_value);
     if (rows_fit(F, F, {gv.narrow(1, 0, F), gv.narrow(1, F, F)})) {
