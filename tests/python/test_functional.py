@@ -603,6 +603,10 @@ def test_bad_arguments_name_the_argument():
         fused.shift_mix(x, torch.randn(2, 3, 2), torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="act"):
         fused.gated(x, x, "relu")
+    with pytest.raises(RuntimeError, match="logits"):
+        fused.log_forget_gate(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="bias"):
+        fused.log_forget_gate(torch.randn(2, 3, 4), torch.randn(5))
     with pytest.raises(RuntimeError, match="labels"):
         fused.cross_entropy(x, torch.zeros(2, 4, dtype=torch.long))
     y = torch.randn(2, 3, 320)
