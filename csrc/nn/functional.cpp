@@ -708,6 +708,21 @@ torch::Tensor weight_grad_accumulator(const torch::Tensor& weight) {
                                                                   : weight.scalar_type()));
 }
 
+// The LM head's weight as the fused loss multiplies it (in the compute dtype). With a vocabulary
+// that is no multiple of 8 (50277, 50257) the logits' rows are not 16-byte aligned and cuBLAS
+// falls back to kernels that move 2 bytes at a time (the loss's three GEMMs 6-7x slower on an
+// H200), so such a weight gets zero rows up to a multiple of 64: the logits of the pad are 0 and
+// never read by the loss kernels, and its rows of d weight are dropped (`FOX_PAD_VOCAB=0`: as is).
+torch::Tensor loss_head_weight(const torch::Tensor& weight, int64_t compute) {
+  const int64_t V = weight.size(0), padded = (V + 63) / 64 * 64;
+  if (V % 8 == 0 || switched_off("FOX_PAD_VOCAB")) return compute_copy(weight, compute);
+  const auto dtype = compute >= 0 ? torch::ScalarType(compute) : weight.scalar_type();
+  auto out = torch::empty({padded, weight.size(1)}, weight.options().dtype(dtype));
+  out.narrow(0, V, padded - V).zero_();
+  out.narrow(0, 0, V).copy_(weight);
+  return out;
+}
+
 // A chunk's d logits (its rows h of hidden, from row `start`) into d hidden's rows and into d
 // weight, each where defined. accumulate_in_gemm: CUDA's GEMM adds into a float32 d weight.
 void add_chunk_gradients(const torch::Tensor& dlogits, const torch::Tensor& h,
@@ -741,8 +756,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight_in, const torch::Tensor& labels,
                                int64_t ignore_index, int64_t chunk_rows, int64_t compute) {
-    const int64_t N = hidden.size(0);
-    const auto weight = compute_copy(weight_in, compute);
+    const int64_t N = hidden.size(0), V = weight_in.size(0);
+    const auto weight = direct(hidden) ? loss_head_weight(weight_in, compute)
+                                       : compute_copy(weight_in, compute);
     torch::Tensor loss, lse;
     if (direct(hidden)) {
 #ifdef FOX_WITH_CUDA
@@ -751,9 +767,10 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       lse = torch::empty({N}, f32);
       for (int64_t start = 0; start < N; start += chunk_rows) {
         const int64_t rows = std::min(chunk_rows, N - start);
-        cuda::cross_entropy_forward(plain_linear(hidden.narrow(0, start, rows), weight),
-                                    labels.narrow(0, start, rows), ignore_index,
-                                    loss.narrow(0, start, rows), lse.narrow(0, start, rows));
+        const auto logits = plain_linear(hidden.narrow(0, start, rows), weight);
+        cuda::cross_entropy_forward(logits.narrow(1, 0, V), labels.narrow(0, start, rows),
+                                    ignore_index, loss.narrow(0, start, rows),
+                                    lse.narrow(0, start, rows));
       }
 #endif
     } else {
@@ -768,6 +785,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     ctx->save_for_backward({hidden, weight, labels, lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk_rows"] = chunk_rows;
+    ctx->saved_data["vocab"] = V;
     ctx->saved_data["loss_dtype"] = int64_t(loss.scalar_type());
     ctx->saved_data["weight_dtype"] = int64_t(weight_in.scalar_type());
     return loss;
@@ -780,6 +798,7 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     const auto lse = saved[3];
     const int64_t chunk_rows = ctx->saved_data["chunk_rows"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const int64_t V = ctx->saved_data["vocab"].toInt();
     auto dloss = grads[0].to(torch::ScalarType(ctx->saved_data["loss_dtype"].toInt())).contiguous();
     torch::Tensor dhidden, dweight;
     if (ctx->needs_input_grad(0)) dhidden = torch::empty(hidden.sizes(), hidden.options());
@@ -791,9 +810,10 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       torch::Tensor dlogits;
       if (lse.defined()) {
 #ifdef FOX_WITH_CUDA
-        cuda::cross_entropy_backward(dloss.narrow(0, start, rows), logits,
+        const auto valid = logits.narrow(1, 0, V);
+        cuda::cross_entropy_backward(dloss.narrow(0, start, rows), valid,
                                      labels.narrow(0, start, rows), lse.narrow(0, start, rows),
-                                     ignore_index, logits);  // in place: one read, one write
+                                     ignore_index, valid);  // in place: one read, one write
         dlogits = logits;
 #endif
       } else {
@@ -805,7 +825,8 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       add_chunk_gradients(dlogits, h, weight, start, dhidden, dweight, lse.defined());
     }
     if (dweight.defined())
-      dweight = dweight.to(torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
+      dweight = dweight.narrow(0, 0, V).to(
+          torch::ScalarType(ctx->saved_data["weight_dtype"].toInt()));
     return {dhidden, dweight, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -821,8 +842,8 @@ struct SummedLinearCrossEntropyFunction
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden,
                                const torch::Tensor& weight_in, const torch::Tensor& labels,
                                int64_t ignore_index, int64_t chunk_rows, int64_t compute) {
-    const int64_t N = hidden.size(0);
-    const auto weight = compute_copy(weight_in, compute);
+    const int64_t N = hidden.size(0), V = weight_in.size(0);
+    const auto weight = loss_head_weight(weight_in, compute);
     auto f32 = hidden.options().dtype(torch::kFloat32);
     auto loss = torch::empty({N}, f32), lse = torch::empty({N}, f32);
     auto ones = torch::ones({std::min(chunk_rows, N)}, f32);  // d loss of every row of the sum
@@ -835,15 +856,16 @@ struct SummedLinearCrossEntropyFunction
       auto labels_chunk = labels.narrow(0, start, rows);
       auto lse_chunk = lse.narrow(0, start, rows);
       auto logits = plain_linear(h, weight);
-      cuda::cross_entropy_forward(logits, labels_chunk, ignore_index, loss.narrow(0, start, rows),
+      const auto valid = logits.narrow(1, 0, V);
+      cuda::cross_entropy_forward(valid, labels_chunk, ignore_index, loss.narrow(0, start, rows),
                                   lse_chunk);
       if (!dhidden.defined() && !dweight.defined()) continue;
-      cuda::cross_entropy_backward(ones.narrow(0, 0, rows), logits, labels_chunk, lse_chunk,
-                                   ignore_index, logits);  // in place
+      cuda::cross_entropy_backward(ones.narrow(0, 0, rows), valid, labels_chunk, lse_chunk,
+                                   ignore_index, valid);  // in place
       add_chunk_gradients(logits, h, weight, start, dhidden, dweight, true);
     }
     ctx->saved_data["dhidden"] = dhidden;
-    ctx->saved_data["dweight"] = dweight;
+    ctx->saved_data["dweight"] = dweight.defined() ? dweight.narrow(0, 0, V) : dweight;
     ctx->saved_data["weight_dtype"] = int64_t(weight_in.scalar_type());
     return loss.sum();
   }

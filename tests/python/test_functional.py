@@ -296,9 +296,10 @@ def test_gated(device, dtype, act):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V", [1000, 1001])  # 16-byte loads where rows allow them; one per logit
-def test_cross_entropy(device, dtype, V):
+@pytest.mark.parametrize("row_pad", [0, 23])  # 1001 of rows of 1024: whole loads, then one logit
+def test_cross_entropy(device, dtype, V, row_pad):
     B, T = 3, 41
-    logits = (3 * torch.randn(B, T, V, device=device)).to(dtype)
+    logits = (3 * torch.randn(B, T, V + row_pad, device=device)).to(dtype)[..., :V]
     labels = torch.randint(0, V, (B, T), device=device)
     labels[0, :5] = -100
 
@@ -402,12 +403,13 @@ def test_float32_weight_gradient_under_autocast(fn):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("reduction", ["none", "sum"])
-def test_loss_weight_gradient_in_float32_under_autocast(reduction):
+@pytest.mark.parametrize("V", [1000, 1001])  # 1001: the weight cast into a padded copy
+def test_loss_weight_gradient_in_float32_under_autocast(reduction, V):
     """The LM head loss under bf16 autocast makes a float32 weight's gradient in float32 (its
     chunks' GEMMs add up in float32 and the sum is no longer rounded to bf16): closer to the
     float64 gradient of the same bf16 operands than the composition's, which rounds it."""
     g = torch.Generator(device="cuda").manual_seed(8)
-    N, C, V = 300, 64, 1000
+    N, C = 300, 64
     hidden = torch.randn(N, C, device="cuda", generator=g)
     w = torch.randn(V, C, device="cuda", generator=g) * 3 / C**0.5
     labels = torch.randint(0, V, (N,), device="cuda", generator=g)
@@ -428,9 +430,9 @@ def test_loss_weight_gradient_in_float32_under_autocast(reduction):
     assert (dw - exact).abs().max() < (dw_c - exact).abs().max()
 
 
-def loss_case(device, dtype):
-    """(hidden (3, 41, 64), weight (1000, 64), labels (3, 41) with 6 ignored) of the loss tests."""
-    B, T, C, V = 3, 41, 64, 1000
+def loss_case(device, dtype, V=1000):
+    """(hidden (3, 41, 64), weight (V, 64), labels (3, 41) with 6 ignored) of the loss tests."""
+    B, T, C = 3, 41, 64
     hidden = torch.randn(B, T, C, device=device).to(dtype)
     weight = (torch.randn(V, C, device=device) * 3 / C**0.5).to(dtype)
     labels = torch.randint(0, V, (B, T), device=device)
@@ -441,11 +443,12 @@ def loss_case(device, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk_rows", [0, 7, 200])  # 0: ~256 MiB chunks (one here)
-def test_linear_cross_entropy(device, dtype, chunk_rows):
+@pytest.mark.parametrize("V", [1000, 1001])  # 1001: the CUDA path pads the weight to 1024 rows
+def test_linear_cross_entropy(device, dtype, chunk_rows, V):
     """The LM head and loss in row chunks (123 rows: 7 gives 18 chunks, the last of 4), the logits
     made again in the backward: loss, d hidden and d weight by the 2x rule against float64, the
     whole-logits composition in dtype as the naive result; ignored labels give 0."""
-    hidden, weight, labels = loss_case(device, dtype)
+    hidden, weight, labels = loss_case(device, dtype, V)
     g = torch.rand(labels.shape, device=device)
 
     def whole(h, w):
@@ -470,12 +473,13 @@ def test_linear_cross_entropy(device, dtype, chunk_rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk_rows", [0, 7])
 @pytest.mark.parametrize("needs", ["both", "hidden", "weight"])
-def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, needs):
+@pytest.mark.parametrize("V", [1000, 1001])
+def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, needs, V):
     """The summed / mean loss, whose gradients the CUDA path makes in the forward (the backward
     scales them by the incoming scalar): loss, d hidden and d weight by the 2x rule against
     float64, the whole-logits composition in dtype as the naive result; only the gradients asked
     for are made; equal to the per-token loss reduced, up to the rounding of a sum."""
-    hidden, weight, labels = loss_case(device, dtype)
+    hidden, weight, labels = loss_case(device, dtype, V)
     g = torch.tensor(0.37, device=device)
     valid = (labels != -100).sum()
 

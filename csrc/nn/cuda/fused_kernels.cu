@@ -381,7 +381,8 @@ __global__ void __launch_bounds__(kLossThreads)
   const int64_t row = blockIdx.x;
   const T* x = logits + row * rs;
   float m = -INFINITY, s = 0.f;
-  for (int64_t v = int64_t(threadIdx.x) * VEC; v < V; v += int64_t(blockDim.x) * VEC) {
+  const int64_t whole = V - V % VEC;  // logits in whole vectors; the rest one a thread
+  for (int64_t v = int64_t(threadIdx.x) * VEC; v < whole; v += int64_t(blockDim.x) * VEC) {
     float xv[VEC];
     load<VEC>(x + v, xv);
     float chunk_max = xv[0];
@@ -393,6 +394,14 @@ __global__ void __launch_bounds__(kLossThreads)
     }
 #pragma unroll
     for (int i = 0; i < VEC; ++i) s += __expf(xv[i] - m);
+  }
+  if (whole + threadIdx.x < V) {
+    const float xv = static_cast<float>(x[whole + threadIdx.x]);
+    if (xv > m) {
+      s *= __expf(m - xv);
+      m = xv;
+    }
+    s += __expf(xv - m);
   }
   block_merge<kLossThreads>(m, s, [](float& m1, float& s1, float m2, float s2) {
     merge_max_sum(m1, s1, m2, s2);
@@ -417,30 +426,36 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kLossThreads)
     cross_entropy_backward_kernel(const float* __restrict__ dloss, const T* logits, int64_t rs,
                                   const int64_t* __restrict__ labels,
-                                  const float* __restrict__ lse, T* dlogits, int64_t V,
+                                  const float* __restrict__ lse, T* dlogits, int64_t drs, int64_t V,
                                   int64_t ignore_index) {
   const int64_t row = blockIdx.x;
   const T* x = logits + row * rs;
-  T* dx = dlogits + row * V;
+  T* dx = dlogits + row * drs;
   const int64_t label = labels[row];
   const bool ignored = label == ignore_index;
   const float g = ignored ? 0.f : dloss[row], l = lse[row];
-  for (int64_t v = int64_t(threadIdx.x) * VEC; v < V; v += int64_t(blockDim.x) * VEC) {
+  const int64_t whole = V - V % VEC;
+  for (int64_t v = int64_t(threadIdx.x) * VEC; v < whole; v += int64_t(blockDim.x) * VEC) {
     float xv[VEC];
     load<VEC>(x + v, xv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) xv[i] = (__expf(xv[i] - l) - (v + i == label ? 1.f : 0.f)) * g;
     store<VEC>(dx + v, xv);
   }
+  const int64_t v = whole + threadIdx.x;
+  if (v < V) {
+    const float xv = static_cast<float>(x[v]);
+    dx[v] = static_cast<T>((__expf(xv - l) - (v == label ? 1.f : 0.f)) * g);
+  }
 }
 
-// The widest VEC (16 bytes at most) that divides V and every row of these (rows, V) tensors and
-// their alignment.
-int loss_vector_width(int64_t V, std::initializer_list<at::Tensor> tensors) {
+// The widest VEC (16 bytes at most) that divides the row stride of these (rows, V) tensors and
+// their alignment (a row's last V % VEC logits are read one a thread).
+int loss_vector_width(std::initializer_list<at::Tensor> tensors) {
   int64_t size = 1;
   for (const auto& t : tensors) size = std::max<int64_t>(size, t.element_size());
   for (int vec = int(16 / size); vec > 1; vec /= 2) {
-    bool fits = V % vec == 0;
+    bool fits = true;
     for (const auto& t : tensors) {
       fits = fits && t.stride(0) % vec == 0 &&
              reinterpret_cast<uintptr_t>(t.data_ptr()) % (vec * t.element_size()) == 0;
@@ -902,7 +917,7 @@ void cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
   const int64_t rows = logits.size(0), V = logits.size(1);
   if (rows == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int vec = loss_vector_width(V, {logits});
+  const int vec = loss_vector_width({logits});
   FOX_FLOAT_TYPES(logits.scalar_type(), "cross_entropy_forward", [&] {
     FOX_VEC_SWITCH(vec, [&] {
       cross_entropy_forward_kernel<scalar_t, VEC><<<unsigned(rows), kLossThreads, 0, stream>>>(
@@ -920,13 +935,13 @@ void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
   const int64_t rows = logits.size(0), V = logits.size(1);
   if (rows == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int vec = loss_vector_width(V, {logits, dlogits});
+  const int vec = loss_vector_width({logits, dlogits});
   FOX_FLOAT_TYPES(logits.scalar_type(), "cross_entropy_backward", [&] {
     FOX_VEC_SWITCH(vec, [&] {
       cross_entropy_backward_kernel<scalar_t, VEC><<<unsigned(rows), kLossThreads, 0, stream>>>(
           dloss.data_ptr<float>(), logits.data_ptr<scalar_t>(), logits.stride(0),
-          labels.data_ptr<int64_t>(), lse.data_ptr<float>(), dlogits.data_ptr<scalar_t>(), V,
-          ignore_index);
+          labels.data_ptr<int64_t>(), lse.data_ptr<float>(), dlogits.data_ptr<scalar_t>(),
+          dlogits.stride(0), V, ignore_index);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -68,11 +68,12 @@ void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const
 void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, const at::Tensor& bias,
                           const at::Tensor& dlogits);
 
-// Per-row cross entropy of logits (rows, V) against labels (rows,) int64; rows whose label is
-// ignore_index give 0. loss and lse float32 (rows,).
+// Per-row cross entropy of logits (rows, V) (unit column stride, any row stride) against labels
+// (rows,) int64; rows whose label is ignore_index give 0. loss and lse float32 (rows,).
 void cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
                            int64_t ignore_index, const at::Tensor& loss, const at::Tensor& lse);
-// dlogits = (softmax(logits) - onehot(label)) * dloss, in the logits' dtype.
+// dlogits = (softmax(logits) - onehot(label)) * dloss, in the logits' dtype; dlogits (rows, V)
+// with a unit column stride, may be logits itself.
 void cross_entropy_backward(const at::Tensor& dloss, const at::Tensor& logits,
                             const at::Tensor& labels, const at::Tensor& lse, int64_t ignore_index,
                             const at::Tensor& dlogits);
