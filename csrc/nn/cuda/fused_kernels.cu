@@ -997,23 +997,30 @@ void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Ten
   });
 }
 
+// f(T(), BT()) for the forget gate kernels: T the logits' element type, BT the bias's as they read
+// it (float32, or T, also for no bias).
+template <typename F>
+void dispatch_forget_gate(const char* name, const at::Tensor& logits, const at::Tensor& bias, F f) {
+  FOX_FLOAT_TYPES(logits.scalar_type(), name, [&] {
+    if (bias.defined() && bias.scalar_type() == at::kFloat) f(scalar_t(), float());
+    else f(scalar_t(), scalar_t());
+  });
+}
+
+constexpr int kForgetGateThreads = 256;
+
 void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& out) {
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t n = logits.numel();
   if (n == 0) return;
-  const int T_len = int(logits.size(1)), H = int(logits.size(2));
-  constexpr int kThreads = 256;
   auto stream = at::cuda::getCurrentCUDAStream();
-  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate_forward", [&] {
-    auto run = [&](auto bias_type) {
-      using BT = decltype(bias_type);
-      forget_gate_forward_kernel<scalar_t, BT><<<unsigned(blocks_for(n, kThreads)), kThreads, 0,
-                                                 stream>>>(
-          logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), optional_ptr<BT>(bias),
-          out.data_ptr<float>(), n, T_len, H);
-    };
-    if (bias.defined() && bias.scalar_type() == at::kFloat) run(float());
-    else run(scalar_t());
+  dispatch_forget_gate("forget_gate_forward", logits, bias, [&](auto t, auto bt) {
+    using T = decltype(t);
+    using BT = decltype(bt);
+    forget_gate_forward_kernel<T, BT>
+        <<<unsigned(blocks_for(n, kForgetGateThreads)), kForgetGateThreads, 0, stream>>>(
+            logits.data_ptr<T>(), logits.stride(0), logits.stride(1), optional_ptr<BT>(bias),
+            out.data_ptr<float>(), n, int(logits.size(1)), int(logits.size(2)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1023,19 +1030,15 @@ void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, cons
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t n = logits.numel();
   if (n == 0) return;
-  const int T_len = int(logits.size(1)), H = int(logits.size(2));
-  constexpr int kThreads = 256;
   auto stream = at::cuda::getCurrentCUDAStream();
-  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate_backward", [&] {
-    auto run = [&](auto bias_type) {
-      using BT = decltype(bias_type);
-      forget_gate_backward_kernel<scalar_t, BT><<<unsigned(blocks_for(n, kThreads)), kThreads, 0,
-                                                  stream>>>(
-          dout.data_ptr<float>(), logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
-          optional_ptr<BT>(bias), dlogits.data_ptr<scalar_t>(), n, T_len, H);
-    };
-    if (bias.defined() && bias.scalar_type() == at::kFloat) run(float());
-    else run(scalar_t());
+  dispatch_forget_gate("forget_gate_backward", logits, bias, [&](auto t, auto bt) {
+    using T = decltype(t);
+    using BT = decltype(bt);
+    forget_gate_backward_kernel<T, BT>
+        <<<unsigned(blocks_for(n, kForgetGateThreads)), kForgetGateThreads, 0, stream>>>(
+            dout.data_ptr<float>(), logits.data_ptr<T>(), logits.stride(0), logits.stride(1),
+            optional_ptr<BT>(bias), dlogits.data_ptr<T>(), n, int(logits.size(1)),
+            int(logits.size(2)));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
