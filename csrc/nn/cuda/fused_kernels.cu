@@ -1000,8 +1000,8 @@ void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Ten
 // f(T(), BT()) for the forget gate kernels: T the logits' element type, BT the bias's as they read
 // it (float32, or T, also for no bias).
 template <typename F>
-void dispatch_forget_gate(const char* name, const at::Tensor& logits, const at::Tensor& bias, F f) {
-  FOX_FLOAT_TYPES(logits.scalar_type(), name, [&] {
+void dispatch_forget_gate(const at::Tensor& logits, const at::Tensor& bias, F f) {
+  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate", [&] {
     if (bias.defined() && bias.scalar_type() == at::kFloat) f(scalar_t(), float());
     else f(scalar_t(), scalar_t());
   });
@@ -1014,7 +1014,7 @@ void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const
   const int64_t n = logits.numel();
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_forget_gate("forget_gate_forward", logits, bias, [&](auto t, auto bt) {
+  dispatch_forget_gate(logits, bias, [&](auto t, auto bt) {
     using T = decltype(t);
     using BT = decltype(bt);
     forget_gate_forward_kernel<T, BT>
@@ -1031,7 +1031,7 @@ void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, cons
   const int64_t n = logits.numel();
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_forget_gate("forget_gate_backward", logits, bias, [&](auto t, auto bt) {
+  dispatch_forget_gate(logits, bias, [&](auto t, auto bt) {
     using T = decltype(t);
     using BT = decltype(bt);
     forget_gate_backward_kernel<T, BT>
