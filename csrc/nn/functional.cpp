@@ -782,7 +782,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       }
       loss = torch::cat(losses);
     }
-    ctx->save_for_backward({hidden, weight, labels, lse});
+    // The weight as it came, or its cast copy's first V rows: the backward pads it again.
+    ctx->save_for_backward({hidden, compute >= 0 ? weight.narrow(0, 0, V) : weight_in, labels,
+                            lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["chunk_rows"] = chunk_rows;
     ctx->saved_data["vocab"] = V;
@@ -794,8 +796,8 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Detached: nothing here joins the outer graph (also under create_graph).
     auto saved = ctx->get_saved_variables();
-    const auto hidden = saved[0].detach(), weight = saved[1].detach(), labels = saved[2];
-    const auto lse = saved[3];
+    const auto hidden = saved[0].detach(), labels = saved[2], lse = saved[3];
+    const auto weight = lse.defined() ? loss_head_weight(saved[1].detach(), -1) : saved[1].detach();
     const int64_t chunk_rows = ctx->saved_data["chunk_rows"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const int64_t V = ctx->saved_data["vocab"].toInt();
