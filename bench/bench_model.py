@@ -399,12 +399,20 @@ def ab_table(args, reps=20):
     alternate step by step in one process, median of each; the losses must agree."""
     name, value = switches.parse(args.ab)
     B, T = args.batch, args.seqlen
-    print(f"# {torch.cuda.get_device_name()}; 125M-class, B={B}, T={T}, bf16 autocast, fwd+bwd, "
-          f"gradients set to None before each step")
+    what = ("the forward's logits without autograd" if args.logits else
+            "fwd+bwd, gradients set to None before each step")
+    print(f"# {torch.cuda.get_device_name()}; 125M-class, B={B}, T={T}, vocab {args.vocab}, bf16 "
+          f"autocast, {what}")
     print(f"| model | default ms | {args.ab} ms | ratio | loss (default / switched) |\n"
           "|---|---|---|---|---|")
     for arch in args.archs.split(","):
         model, step = step_from_zero(arch, args)
+        if args.logits:
+            ids = torch.randint(0, args.vocab, (B, T), device="cuda")
+
+            def step():
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    return model(ids).float().mean()
 
         def switched():
             with switches.environment(name, value):
@@ -439,6 +447,9 @@ def main():
     ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
                     help="only fox_torch, default against this environment switch set, the steps "
                          "interleaved (the switches are read at each call)")
+    ap.add_argument("--logits", action="store_true",
+                    help="with --ab: time the forward without labels or autograd (the logits, "
+                         "as an evaluation asks for them) instead of the training step")
     ap.add_argument("--memory", action="store_true",
                     help="only the memory census of a training step (peak, saved tensors), with "
                          "the memory savings off and on, and the step time of each")

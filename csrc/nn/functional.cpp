@@ -1098,6 +1098,25 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
   return out;
 }
 
+torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
+#ifdef FOX_WITH_CUDA
+  const int64_t V = weight.dim() == 2 ? weight.size(0) : 0;
+  const auto device = hidden.device().type();
+  const bool autocast = at::autocast::is_autocast_enabled(device);
+  const auto dtype = autocast ? at::autocast::get_autocast_dtype(device) : hidden.scalar_type();
+  // The padded copy costs a pass over the weight: worth it where the GEMM is compute-bound.
+  constexpr int64_t kPaddedFromRows = 1024;
+  if (hidden.is_cuda() && V % 8 != 0 && hidden.dim() >= 1 && hidden.numel() > 0 &&
+      hidden.numel() / hidden.size(-1) >= kPaddedFromRows && fused(hidden) &&
+      (autocast || weight.scalar_type() == dtype) && without_autograd({hidden, weight}) &&
+      !switched_off("FOX_PAD_VOCAB")) {
+    const auto padded = plain_linear(hidden.to(dtype), loss_head_weight(weight, int64_t(dtype)));
+    return padded.narrow(-1, 0, V).contiguous();
+  }
+#endif
+  return functional::linear(hidden, weight);  // (qualified: ATen's linear is found by argument)
+}
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias, const torch::Tensor& residual) {
 #ifdef FOX_WITH_CUDA

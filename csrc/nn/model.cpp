@@ -270,7 +270,7 @@ KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {
-  return functional::linear(hidden_states, lm_head ? lm_head->weight : model->embeddings->weight);
+  return functional::logits(hidden_states, lm_head ? lm_head->weight : model->embeddings->weight);
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(

@@ -405,6 +405,7 @@ void init_nn_bindings(py::module_& parent) {
       },
       py::arg("x"), py::arg("weight"), py::arg("bias") = std::nullopt,
       py::arg("residual") = std::nullopt);
+  f.def("logits", &functional::logits, py::arg("hidden"), py::arg("weight"));
   f.def(
       "gated_linear",
       [](const torch::Tensor& gate, const torch::Tensor& value, const std::string& act,

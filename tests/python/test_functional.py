@@ -514,6 +514,30 @@ def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, need
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("V", [1000, 1001])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_logits(V, autocast, monkeypatch):
+    """The LM head's logits without autograd: from 1024 rows an odd vocabulary multiplies a padded
+    weight and copies the logits out. Contiguous, of F.linear's dtype, by the 2x rule against
+    float64 with F.linear as the naive result (FOX_PAD_VOCAB=0 gives F.linear's bits)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(2, 600, 64, device="cuda", generator=g)
+    weight = torch.randn(V, 64, device="cuda", generator=g) / 8
+    if not autocast:
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        got = fused.logits(hidden, weight)
+        naive = F.linear(hidden, weight)
+        monkeypatch.setenv("FOX_PAD_VOCAB", "0")
+        assert torch.equal(fused.logits(hidden, weight), naive)
+    assert got.is_contiguous() and got.dtype == naive.dtype == torch.bfloat16
+    exact = hidden.bfloat16().double() @ weight.bfloat16().double().t()
+    problems = rule_violations(["logits"], [got], [exact], [naive], torch.bfloat16)
+    assert not problems, problems
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("V", [1000, 1001, 32768])  # 1001: rows not 16-byte aligned
 def test_reduced_loss_bitwise_the_per_token_loss(V):
     """On CUDA the summed loss makes d logits in its forward where the per-token loss makes the
