@@ -170,6 +170,45 @@ def ab_table(args):
                                  else contextlib.nullcontext(), {}))
 
 
+def prefill_table(args, reps=5):
+    """The session's prefill (the LM head on each row's last position) against the model's forward
+    over the same prompt into the same kind of cache (every position's logits, what the prefill
+    made before): ms and peak GiB above the model and cache, the two alternating."""
+    model = fox_model(args.model)
+    m = model.cpp_module
+    print(f"# {torch.cuda.get_device_name()}; {args.model}, vocab {VOCAB}, bf16, prefill of one "
+          "prompt into a static cache")
+    print("| B | prompt | session prefill ms | forward with all logits ms | peak GiB (session / "
+          "forward) |\n|---|---|---|---|---|")
+    for B in args.batch:
+        for prompt in args.prompt:
+            ids = torch.randint(0, VOCAB, (B, prompt), device="cuda")
+
+            def session():
+                opts = fnn.GenerationOptions(max_new_tokens=2)
+                fnn.GenerationSession(m, ids, opts).prefill()
+
+            def forward():
+                with torch.no_grad():
+                    m.forward(ids, None, m.new_static_cache(B, prompt + 2))[:, -1].argmax(-1)
+
+            times, peaks = [[], []], [0, 0]
+            for rep in range(reps + 1):
+                for i, fn in enumerate((session, forward)):
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    t0 = sync_time()
+                    fn()
+                    t1 = sync_time()
+                    if rep:  # the first round warms up
+                        times[i].append(t1 - t0)
+                        peaks[i] = max(peaks[i], torch.cuda.max_memory_allocated() - base)
+            med = [sorted(t)[len(t) // 2] * 1e3 for t in times]
+            print(f"| {B} | {prompt} | {med[0]:.1f} | {med[1]:.1f} | {peaks[0] / 2**30:.2f} / "
+                  f"{peaks[1] / 2**30:.2f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="125m", choices=sorted(SIZES))
@@ -187,7 +226,12 @@ def main():
                     help="only ours with float32 against float16 gate caches (GQA: --kv-heads)")
     ap.add_argument("--ab", metavar="VAR=VALUE", default=None,
                     help="only ours, default against this environment switch set")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only the session's prefill against a forward that makes every "
+                         "position's logits (time and peak memory)")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_table(args)
     if args.ab:
         return ab_table(args)
     if args.gate_cache:

@@ -132,6 +132,13 @@ torch::Tensor GenerationSession::prefill() {
   const int64_t T = input_ids_.size(1);
   const int64_t chunk = options_.prefill_chunk_size() > 0 ? options_.prefill_chunk_size() : T;
   const auto ids = input_ids_.to(cache_.lengths.device(), torch::kLong);
+  // Only each row's last position takes the LM head: a chunk's whole logits would be chunk x
+  // vocab of memory and of GEMM (3.3 GB at 32k tokens of a 50k vocabulary) for one row's use.
+  auto hidden_of = [&](const torch::Tensor& chunk_ids, KVCache* cache,
+                       const std::optional<torch::Tensor>& seq_start) {
+    return model_->model->forward(chunk_ids, cache, seq_start);
+  };
+  auto last_row = [](const torch::Tensor& hidden) { return hidden.select(1, hidden.size(1) - 1); };
   torch::Tensor last_logits;  // (B, vocab)
   if (options_.prompt_lengths() && options_.prompt_lengths()->defined()) {
     // Prompts of different lengths: each row is prefilled alone into its rows of the cache.
@@ -142,22 +149,21 @@ torch::Tensor GenerationSession::prefill() {
       const int64_t n = lengths[b].item<int64_t>();
       longest = std::max(longest, n);
       KVCache row = cache_.row(b);
-      torch::Tensor logits;
+      torch::Tensor hidden;
       for (int64_t s = 0; s < n; s += chunk)
-        logits = model_->forward(ids.narrow(0, b, 1).narrow(1, s, std::min(chunk, n - s)),
-                                 std::nullopt, &row);
-      rows.push_back(logits.select(1, logits.size(1) - 1));
+        hidden = hidden_of(ids.narrow(0, b, 1).narrow(1, s, std::min(chunk, n - s)), &row,
+                           std::nullopt);
+      rows.push_back(last_row(hidden));
     }
     cache_.length_bound = longest;
-    last_logits = torch::cat(rows);
+    last_logits = model_->logits(torch::cat(rows));
   } else {
     std::optional<torch::Tensor> seq_start;
     if (options_.seq_start() && options_.seq_start()->defined()) seq_start = options_.seq_start();
-    torch::Tensor logits;
+    torch::Tensor hidden;
     for (int64_t s = 0; s < T; s += chunk)
-      logits = model_->forward(ids.narrow(1, s, std::min(chunk, T - s)), std::nullopt, &cache_,
-                               seq_start);
-    last_logits = logits.select(1, logits.size(1) - 1);
+      hidden = hidden_of(ids.narrow(1, s, std::min(chunk, T - s)), &cache_, seq_start);
+    last_logits = model_->logits(last_row(hidden));
   }
   prefilled_ = true;
   return select_next(last_logits).clone();
