@@ -1099,14 +1099,17 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
 }
 
 torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "logits: weight must be (vocab, hidden), got ", weight.sizes());
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) == weight.size(1), "logits: hidden ",
+              hidden.sizes(), " must end in the weight's hidden size ", weight.size(1));
 #ifdef FOX_WITH_CUDA
-  const int64_t V = weight.dim() == 2 ? weight.size(0) : 0;
+  const int64_t V = weight.size(0);
   const auto device = hidden.device().type();
   const bool autocast = at::autocast::is_autocast_enabled(device);
   const auto dtype = autocast ? at::autocast::get_autocast_dtype(device) : hidden.scalar_type();
   // The padded copy costs a pass over the weight: worth it where the GEMM is compute-bound.
   constexpr int64_t kPaddedFromRows = 1024;
-  if (hidden.is_cuda() && V % 8 != 0 && hidden.dim() >= 1 && hidden.numel() > 0 &&
+  if (V % 8 != 0 && hidden.numel() > 0 &&
       hidden.numel() / hidden.size(-1) >= kPaddedFromRows && fused(hidden) &&
       (autocast || weight.scalar_type() == dtype) && without_autograd({hidden, weight}) &&
       !switched_off("FOX_PAD_VOCAB")) {

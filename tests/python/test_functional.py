@@ -637,6 +637,10 @@ def test_bad_arguments_name_the_argument():
         fused.log_forget_gate(torch.randn(2, 3, 4), torch.randn(5))
     with pytest.raises(RuntimeError, match="labels"):
         fused.cross_entropy(x, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="weight"):
+        fused.logits(x, torch.randn(8))
+    with pytest.raises(RuntimeError, match="hidden"):
+        fused.logits(x, torch.randn(5, 7))
     y = torch.randn(2, 3, 320)
     with pytest.raises(RuntimeError, match="part passed"):
         fused.attention_inputs(y, q=0, k=64, v=128, q_width=64, kv_width=64, passed=[(300, 64)])
