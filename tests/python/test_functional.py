@@ -58,8 +58,9 @@ def check(fn, ref, inputs, dtype, grad_out, names):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [64, 96, 192])
 @pytest.mark.parametrize("offset", [0, 5])  # 16-byte aligned rows (wide loads) or not
-def test_rms_norm(device, dtype, group, offset):
-    B, T, C = 2, 37, 192
+@pytest.mark.parametrize("T", [37, 3001])  # one block's rows or a few; many blocks, long walks
+def test_rms_norm(device, dtype, group, offset, T):
+    B, C = 2, 192
     wide = torch.randn(B, T, C + 40, device=device).to(dtype)  # x is a slice: row stride C + 40
     w = (1 + 0.3 * torch.randn(C, device=device))
     check(lambda xw, w: fused.rms_norm(xw[..., offset:offset + C], w, group, 1e-5),
@@ -79,8 +80,9 @@ def test_rms_norm_without_weight_and_autocast_dtype(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_first", [False, True])
 @pytest.mark.parametrize("extra", [7, 61])  # row stride C + 10 (2-element loads) or C + 64 (16-byte)
-def test_shift_mix(device, dtype, with_first, extra):
-    B, T, H, D = 2, 29, 3, 64
+@pytest.mark.parametrize("T", [29, 1002])  # a sequence's last chunk of positions short; many blocks
+def test_shift_mix(device, dtype, with_first, extra, T):
+    B, H, D = 2, 3, 64
     C = H * D
     wide = torch.randn(B, T, C + H + extra, device=device).to(dtype)  # [cur | logits | other]
     first = torch.randn(B, C, device=device).to(dtype) if with_first else None

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include <ATen/Dispatch.h>
@@ -57,32 +58,58 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pk;
 }
 
-// The sum of `value` over each run of `per_group` consecutive threads of this block row, in a fixed
-// order. Whole warps: shuffles, then the group's warp totals; a power of two within a warp:
-// shuffles; otherwise through shared memory. One call per kernel (the buffer is not reused).
-__device__ __forceinline__ float group_sum(float value, int per_group) {
+// The sums of each value[n] over each run of `per_group` consecutive threads of this block row, in
+// a fixed order (N values a thread: N rows of a row kernel). Whole warps: shuffles, then the
+// group's warp totals; a power of two within a warp: shuffles; otherwise through shared memory
+// (N x the block's threads floats). One call per kernel, or a barrier between calls (the buffer is
+// written again).
+template <int N>
+__device__ __forceinline__ void group_sums(float (&value)[N], int per_group) {
   extern __shared__ float partial[];
+  const int region = blockDim.x * blockDim.y;  // one per value
   float* row = partial + threadIdx.y * blockDim.x;
   if (per_group % kWarp == 0) {  // then blockDim.x is a multiple of 32 too: no warp spans rows
 #pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) value += __shfl_xor_sync(0xffffffffu, value, o);
-    if (threadIdx.x % kWarp == 0) row[threadIdx.x / kWarp] = value;
+    for (int n = 0; n < N; ++n) {
+#pragma unroll
+      for (int o = kWarp / 2; o > 0; o /= 2)
+        value[n] += __shfl_xor_sync(0xffffffffu, value[n], o);
+      if (threadIdx.x % kWarp == 0) row[n * region + threadIdx.x / kWarp] = value[n];
+    }
     __syncthreads();
     const int first = (threadIdx.x - threadIdx.x % per_group) / kWarp;
-    float s = 0.f;
-    for (int i = 0; i < per_group / kWarp; ++i) s += row[first + i];
-    return s;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      float s = 0.f;
+      for (int i = 0; i < per_group / kWarp; ++i) s += row[n * region + first + i];
+      value[n] = s;
+    }
+    return;
   }
   if (kWarp % per_group == 0 && (blockDim.x * blockDim.y) % kWarp == 0) {
-    for (int o = per_group / 2; o > 0; o /= 2) value += __shfl_xor_sync(0xffffffffu, value, o);
-    return value;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      for (int o = per_group / 2; o > 0; o /= 2)
+        value[n] += __shfl_xor_sync(0xffffffffu, value[n], o);
+    }
+    return;
   }
-  row[threadIdx.x] = value;
+#pragma unroll
+  for (int n = 0; n < N; ++n) row[n * region + threadIdx.x] = value[n];
   __syncthreads();
   const int first = threadIdx.x - threadIdx.x % per_group;
-  float s = 0.f;
-  for (int i = 0; i < per_group; ++i) s += row[first + i];
-  return s;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    float s = 0.f;
+    for (int i = 0; i < per_group; ++i) s += row[n * region + first + i];
+    value[n] = s;
+  }
+}
+
+__device__ __forceinline__ float group_sum(float value, int per_group) {
+  float v[1] = {value};
+  group_sums(v, per_group);
+  return v[0];
 }
 
 __device__ __forceinline__ int64_t block_row() {
@@ -116,8 +143,9 @@ __device__ __forceinline__ void block_merge(A& a, B& b, Merge merge) {
 
 // With `delta`: the input is x + delta, rounded to x's dtype (as the separate add would) and
 // written to `sum` (the residual stream), and y is its norm. delta is x's dtype, or a half
-// precision branch added to a float32 stream (d_t).
-template <typename in_t, typename out_t, typename w_t, int VEC, typename d_t = in_t>
+// precision branch added to a float32 stream (d_t). A thread takes ROWS rows (blockDim.y apart),
+// whose loads are all issued before any store: a block holds ROWS x blockDim.y rows.
+template <typename in_t, typename out_t, typename w_t, int VEC, int ROWS, typename d_t = in_t>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
                                         const d_t* __restrict__ delta, int64_t d_rs,
                                         in_t* __restrict__ sum, const w_t* __restrict__ w,
@@ -125,29 +153,40 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
                                         int64_t rows, int C, int G, float eps) {
   wait_for_previous_kernel();
   allow_next_kernel();
-  const int64_t row = block_row();
-  const bool active = row < rows;
+  const int64_t first = int64_t(blockIdx.x) * ROWS * blockDim.y + threadIdx.y;
   const int c = threadIdx.x * VEC;
-  float v[VEC] = {};
-  if (active) {
-    load(x + row * x_rs + c, v);
+  float v[ROWS][VEC] = {};
+#pragma unroll
+  for (int n = 0; n < ROWS; ++n) {
+    const int64_t row = first + int64_t(n) * blockDim.y;
+    if (row >= rows) break;
+    load(x + row * x_rs + c, v[n]);
     if (delta) {
       float d[VEC];
       load(delta + row * d_rs + c, d);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] = static_cast<float>(static_cast<in_t>(v[i] + d[i]));
-      store(sum + row * C + c, v);
+      for (int i = 0; i < VEC; ++i) v[n][i] = static_cast<float>(static_cast<in_t>(v[n][i] + d[i]));
     }
   }
-  float ss = 0.f;
+  float ss[ROWS] = {};
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) ss += v[i] * v[i];
-  const float r = rsqrtf(group_sum(ss, G / VEC) / G + eps);
-  if (!active) return;
-  if (c % G == 0) rstd[row * (C / G) + c / G] = r;
+  for (int n = 0; n < ROWS; ++n) {
+    const int64_t row = first + int64_t(n) * blockDim.y;
+    if (delta && row < rows) store(sum + row * C + c, v[n]);
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) v[i] *= r * (w ? static_cast<float>(w[c + i]) : 1.f);
-  store(y + row * C + c, v);
+    for (int i = 0; i < VEC; ++i) ss[n] += v[n][i] * v[n][i];
+  }
+  group_sums(ss, G / VEC);
+#pragma unroll
+  for (int n = 0; n < ROWS; ++n) {
+    const int64_t row = first + int64_t(n) * blockDim.y;
+    if (row >= rows) break;
+    const float r = rsqrtf(ss[n] / G + eps);
+    if (c % G == 0) rstd[row * (C / G) + c / G] = r;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[n][i] *= r * (w ? static_cast<float>(w[c + i]) : 1.f);
+    store(y + row * C + c, v[n]);
+  }
 }
 
 // dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r. With dsum (x's dtype): dx + dsum, the
@@ -637,11 +676,35 @@ struct RowLaunch {
   dim3 grid, block;
   size_t smem;
 };
-RowLaunch row_launch(int64_t rows, int64_t channels, int vec) {
+// `per_thread` rows a thread (a block then holds per_thread x blockDim.y rows; group_sums' buffer
+// one float a thread and row).
+RowLaunch row_launch(int64_t rows, int64_t channels, int vec, int per_thread = 1) {
   const int tx = int(channels / vec);
   const int ty = std::max(1, 256 / tx);
-  return {dim3(unsigned(blocks_for(rows, ty))), dim3(unsigned(tx), unsigned(ty)),
-          size_t(tx) * ty * sizeof(float)};
+  return {dim3(unsigned(blocks_for(rows, int64_t(ty) * per_thread))),
+          dim3(unsigned(tx), unsigned(ty)), size_t(tx) * ty * per_thread * sizeof(float)};
+}
+
+// Blocks of `kernel` that the device holds at once: a kernel whose blocks each walk many rows is
+// launched with no more, so that none waits for a second wave (a few blocks running a whole
+// block's walk after the rest). Cached per kernel and shape: a query per call costs host time.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, dim3 block, size_t smem) {
+  static auto* cache = new std::map<std::tuple<const void*, int, unsigned, size_t>, int64_t>();
+  static std::mutex mutex;
+  const int device = c10::cuda::current_device();
+  const auto key = std::tuple(reinterpret_cast<const void*>(kernel), device,
+                              block.x * block.y * block.z, smem);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, kernel, int(block.x * block.y * block.z), smem));
+  const int64_t blocks =
+      int64_t(std::max(per_sm, 1)) * at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  cache->emplace(key, blocks);
+  return blocks;
 }
 
 int checked_width(int64_t channels, int64_t group, std::initializer_list<at::Tensor> tensors) {
@@ -685,7 +748,9 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
               "rms_norm_forward: a delta of another dtype than x's needs float32 x and y of "
               "delta's dtype");
   const int vec = checked_width(C, group, {x, y, delta, sum});
-  const auto L = row_launch(rows, C, vec);
+  // Rows a thread (H200, 16384 rows of 768): 4 for one dtype (bf16 per-head norms 21 -> 19 us a
+  // call), 1 for a float32 stream plus a 16-bit branch (4 rows: 40 -> 43 us).
+  constexpr int kRows = 4, kMixedRows = 1;
   auto stream = at::cuda::getCurrentCUDAStream();
   // The weight is read in its own dtype: float32, or x's (a bf16 model's norms, without a
   // float32 copy per call).
@@ -696,16 +761,18 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   if (mixed) {  // a float32 residual stream plus a half-precision branch, y in the branch's dtype
     FOX_HALF_TYPES(delta.scalar_type(), "rms_norm_forward", [&] {
       FOX_VEC_SWITCH(vec, [&] {
+        const auto L = row_launch(rows, C, vec, kMixedRows);
         C10_CUDA_CHECK(launch_dependent(
-            rms_norm_forward_kernel<float, scalar_t, float, VEC, scalar_t>, L.grid, L.block,
-            L.smem, stream, x.data_ptr<float>(), x.stride(0), delta.data_ptr<scalar_t>(), d_rs,
-            sum.data_ptr<float>(), optional_float(weight), y.data_ptr<scalar_t>(),
+            rms_norm_forward_kernel<float, scalar_t, float, VEC, kMixedRows, scalar_t>, L.grid,
+            L.block, L.smem, stream, x.data_ptr<float>(), x.stride(0), delta.data_ptr<scalar_t>(),
+            d_rs, sum.data_ptr<float>(), optional_float(weight), y.data_ptr<scalar_t>(),
             rstd.data_ptr<float>(), rows, C, int(group), float(eps)));
       });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  const auto L = row_launch(rows, C, vec, kRows);
   FOX_FLOAT_TYPES(x.scalar_type(), "rms_norm_forward", [&] {
     using in_t = scalar_t;
     FOX_FLOAT_TYPES(y.scalar_type(), "rms_norm_forward", [&] {
@@ -713,13 +780,13 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
         const in_t* d = optional_ptr<in_t>(delta);
         if (float_weight) {
           C10_CUDA_CHECK(launch_dependent(
-              rms_norm_forward_kernel<in_t, scalar_t, float, VEC>, L.grid, L.block, L.smem,
+              rms_norm_forward_kernel<in_t, scalar_t, float, VEC, kRows>, L.grid, L.block, L.smem,
               stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
               optional_float(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, C,
               int(group), float(eps)));
         } else {
           C10_CUDA_CHECK(launch_dependent(
-              rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC>, L.grid, L.block, L.smem,
+              rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC, kRows>, L.grid, L.block, L.smem,
               stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
               optional_ptr<in_t>(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows,
               C, int(group), float(eps)));
@@ -761,29 +828,31 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                   (x.scalar_type() == at::kFloat && dx_cast.scalar_type() == dy.scalar_type()),
               "rms_norm_backward: dx_cast must have x's dtype, or dy's when x is float32");
   const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
-  auto L = row_launch(rows, C, vec);
-  // With the weight's gradient: at most 8 blocks per SM, each walking many rows (its partial sums
-  // are one row of `partial`), and shared memory for its block rows' sums.
-  at::Tensor partial;
-  if (dweight.defined()) {
-    const int64_t most = 8LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    L.grid.x = unsigned(std::min<int64_t>(L.grid.x, most));
-    L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
-    partial = at::empty({int64_t(L.grid.x), C}, x.options().dtype(at::kFloat));
-  }
-  float* dw_partial = partial.defined() ? partial.data_ptr<float>() : nullptr;
   const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
+  at::Tensor partial;
+  auto launch = [&](auto kernel, auto* dy_p, auto* x_p, auto* dx_p, auto* dsum_p, auto* cast_p) {
+    auto L = row_launch(rows, C, vec);
+    // With the weight's gradient: as many blocks as the device holds at once, each walking many
+    // rows (its partial sums are one row of `partial`), with shared memory for its block rows'
+    // sums.
+    float* dw_partial = nullptr;
+    if (dweight.defined()) {
+      L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
+      L.grid.x = unsigned(std::min<int64_t>(L.grid.x, resident_blocks(kernel, L.block, L.smem)));
+      partial = at::empty({int64_t(L.grid.x), C}, x.options().dtype(at::kFloat));
+      dw_partial = partial.data_ptr<float>();
+    }
+    kernel<<<L.grid, L.block, L.smem, stream>>>(
+        dy_p, dy.stride(0), x_p, x.stride(0), optional_float(weight), rstd.data_ptr<float>(), dx_p,
+        dx.stride(0), rows, C, int(group), dsum_p, ds_rs, cast_p, dw_partial);
+  };
   if (dx_cast.defined() && dx_cast.scalar_type() != x.scalar_type()) {
     // float32 x; dy and dx_cast in one half-precision dtype (see the check above)
     FOX_HALF_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
       FOX_VEC_SWITCH(vec, [&] {
-        rms_norm_backward_kernel<float, scalar_t, VEC, scalar_t>
-            <<<L.grid, L.block, L.smem, stream>>>(
-                dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<float>(), x.stride(0),
-                optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<float>(),
-                dx.stride(0), rows, C,
-                int(group), optional_ptr<float>(dsum), ds_rs, dx_cast.data_ptr<scalar_t>(),
-                dw_partial);
+        launch(rms_norm_backward_kernel<float, scalar_t, VEC, scalar_t>,
+               dy.data_ptr<scalar_t>(), x.data_ptr<float>(), dx.data_ptr<float>(),
+               optional_ptr<float>(dsum), dx_cast.data_ptr<scalar_t>());
       });
     });
   } else {
@@ -791,12 +860,9 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
       using in_t = scalar_t;
       FOX_FLOAT_TYPES(dy.scalar_type(), "rms_norm_backward", [&] {
         FOX_VEC_SWITCH(vec, [&] {
-          rms_norm_backward_kernel<in_t, scalar_t, VEC><<<L.grid, L.block, L.smem, stream>>>(
-              dy.data_ptr<scalar_t>(), dy.stride(0), x.data_ptr<in_t>(), x.stride(0),
-              optional_float(weight), rstd.data_ptr<float>(), dx.data_ptr<in_t>(),
-              dx.stride(0), rows, C,
-              int(group), optional_ptr<in_t>(dsum), ds_rs, optional_mut<in_t>(dx_cast),
-              dw_partial);
+          launch(rms_norm_backward_kernel<in_t, scalar_t, VEC>, dy.data_ptr<scalar_t>(),
+                 x.data_ptr<in_t>(), dx.data_ptr<in_t>(), optional_ptr<in_t>(dsum),
+                 optional_mut<in_t>(dx_cast));
         });
       });
     });
