@@ -105,6 +105,9 @@ GenerationSession::GenerationSession(ForgettingTransformerForCausalLM model,
   stop_tokens_ = torch::tensor(stop_tokens_of(model_, options), torch::kLong).to(device);
   pad_id_ = pad_id_of(model_, options);
   pad_ = torch::full({}, pad_id_, long_opts);
+  const auto& head = model_->lm_head ? model_->lm_head->weight : weight;
+  vocab_ = head.size(0);
+  head_weight_ = functional::aligned_head_weight(head);
 #ifdef FOX_WITH_CUDA
   graph_->enabled = options.cuda_graph() && device.is_cuda() &&
                     !model_->config.log_pruning_tolerance().has_value();
@@ -124,6 +127,11 @@ torch::Tensor GenerationSession::select_next(const torch::Tensor& logits) {
     finished_.logical_or_((next.unsqueeze(1) == stop_tokens_.unsqueeze(0)).any(1));
   tokens_.copy_(next);
   return tokens_;
+}
+
+torch::Tensor GenerationSession::logits_of(const torch::Tensor& hidden) {
+  if (head_weight_.size(0) == vocab_) return model_->logits(hidden);
+  return functional::linear(hidden, head_weight_).narrow(-1, 0, vocab_);  // strided rows
 }
 
 torch::Tensor GenerationSession::prefill() {
@@ -156,22 +164,22 @@ torch::Tensor GenerationSession::prefill() {
       rows.push_back(last_row(hidden));
     }
     cache_.length_bound = longest;
-    last_logits = model_->logits(torch::cat(rows));
+    last_logits = logits_of(torch::cat(rows));
   } else {
     std::optional<torch::Tensor> seq_start;
     if (options_.seq_start() && options_.seq_start()->defined()) seq_start = options_.seq_start();
     torch::Tensor hidden;
     for (int64_t s = 0; s < T; s += chunk)
       hidden = hidden_of(ids.narrow(1, s, std::min(chunk, T - s)), &cache_, seq_start);
-    last_logits = model_->logits(last_row(hidden));
+    last_logits = logits_of(last_row(hidden));
   }
   prefilled_ = true;
   return select_next(last_logits).clone();
 }
 
 void GenerationSession::decode_step() {
-  auto logits = model_->forward(tokens_.unsqueeze(1), std::nullopt, &cache_);  // (B, 1, vocab)
-  select_next(logits.select(1, 0));
+  auto hidden = model_->model->forward(tokens_.unsqueeze(1), &cache_, std::nullopt);  // (B, 1, C)
+  select_next(logits_of(hidden.select(1, 0)));
 }
 
 torch::Tensor GenerationSession::step() {

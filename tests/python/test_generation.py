@@ -218,6 +218,22 @@ def test_cuda_graph_greedy_equals_full_forward():
     assert torch.equal(model.generate(ids, max_new_tokens=12), ref)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("batch", [3, 16])  # the few-row kernel; cuBLAS
+def test_odd_vocabulary_head_of_a_session(batch, monkeypatch):
+    """A vocabulary that is no multiple of 8 (61 here): the session multiplies the LM head on a
+    copy padded to 64 rows (16-byte aligned logits rows). The tokens are the full forwards' and
+    those of the weight as it is (FOX_PAD_VOCAB=0), with and without the captured graph."""
+    model = tiny_model("fox_pro", dtype=torch.float32, device="cuda")
+    ids = torch.randint(0, 61, (batch, 20), device="cuda")
+    ref, _ = greedy_by_full_forward(model, ids, 10)
+    for graph in (True, False):
+        assert torch.equal(model.generate(ids, max_new_tokens=10, cuda_graph=graph), ref), graph
+    monkeypatch.setenv("FOX_PAD_VOCAB", "0")
+    assert torch.equal(model.generate(ids, max_new_tokens=10), ref)
+
+
 def test_decoding_projection_follows_parameter_updates():
     """Few-row inference keeps the layer's concatenated projection weights: an in-place update of
     a parameter (an optimizer step) or a load_state_dict must reach the next decoding forward."""

@@ -94,6 +94,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 /// (16-byte aligned logits: cuBLAS's fast kernels) and the first V columns are copied out.
 torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight);
 
+/// The LM head's weight for many inference products with one weight (a generation session's
+/// steps): on CUDA a vocabulary that is no multiple of 8 gets a copy padded with zero rows to a
+/// multiple of 64, since logits rows that are not 16-byte aligned put cuBLAS on kernels 4-7x
+/// slower (H200, 9-2048 rows of a 50277 x 768 head); otherwise, or with FOX_PAD_VOCAB=0, the
+/// weight itself. The logits are linear(hidden, it).narrow(-1, 0, V).
+torch::Tensor aligned_head_weight(const torch::Tensor& weight);
+
 /// act(gate) * value with act "swish" (silu) or "sigmoid": SwiGLU, and the attention output gate.
 torch::Tensor gated(const torch::Tensor& gate, const torch::Tensor& value, const std::string& act);
 

@@ -86,12 +86,17 @@ class GenerationSession {
  private:
   void decode_step();  // the captured body: reads and writes only the static tensors below
   torch::Tensor select_next(const torch::Tensor& logits);
+  torch::Tensor logits_of(const torch::Tensor& hidden);  // (B, hidden) -> (B, vocab)
 
   ForgettingTransformerForCausalLM model_;
   GenerationOptions options_;
   torch::Tensor input_ids_;
   KVCache cache_;
   torch::Tensor tokens_, finished_, stop_tokens_, pad_;
+  // The LM head's weight as the session multiplies it (functional::aligned_head_weight: an odd
+  // vocabulary's padded copy, made once, so weight updates during a session do not reach it).
+  torch::Tensor head_weight_;
+  int64_t vocab_ = 0;
   int64_t pad_id_ = 0;
   bool prefilled_ = false;
   struct Graph;
