@@ -518,12 +518,13 @@ def test_linear_cross_entropy_reduced(device, dtype, chunk_rows, reduction, need
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("V", [1000, 1001])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_logits(V, autocast, monkeypatch):
-    """The LM head's logits without autograd: from 1024 rows an odd vocabulary multiplies a padded
+@pytest.mark.parametrize("shape", [(2, 600), (1, 16)])  # a prefill's rows; a decoding step's
+def test_logits(V, autocast, shape, monkeypatch):
+    """The LM head's logits without autograd: from 9 rows an odd vocabulary multiplies a padded
     weight and copies the logits out. Contiguous, of F.linear's dtype, by the 2x rule against
     float64 with F.linear as the naive result (FOX_PAD_VOCAB=0 gives F.linear's bits)."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    hidden = torch.randn(2, 600, 64, device="cuda", generator=g)
+    hidden = torch.randn(*shape, 64, device="cuda", generator=g)
     weight = torch.randn(V, 64, device="cuda", generator=g) / 8
     if not autocast:
         hidden, weight = hidden.bfloat16(), weight.bfloat16()

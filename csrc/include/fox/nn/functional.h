@@ -89,7 +89,7 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& y,
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const torch::Tensor& bias = {}, const torch::Tensor& residual = {});
 
-/// The LM head's logits, linear(hidden, weight). On CUDA without autograd, for 1024 rows or more
+/// The LM head's logits, linear(hidden, weight). On CUDA without autograd, for 9 rows or more
 /// and a vocabulary that is no multiple of 8, the product runs on the weight padded with zero rows
 /// (16-byte aligned logits: cuBLAS's fast kernels) and the first V columns are copied out.
 torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight);
