@@ -195,7 +195,9 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
 // With dw_partial (gridDim.x, C): the weight's gradient in the same pass. Each block then walks
 // the block rows blockIdx.x, + gridDim.x, ..., every thread summing dy * xhat of its channels in
 // order, and writes its block's sums (its block rows added in order); the host adds the blocks'
-// rows in order. Without it a block takes one block row.
+// rows in order. Without it a block takes one block row. A float32 x (the residual stream) has
+// dsum loaded with x and dy, so that a block row waits for memory once; 16-bit rows load it after
+// the sum (loaded early its registers would cost the per-head norms a block an SM).
 template <typename in_t, typename grad_t, int VEC, typename d_t = in_t>
 __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
                                          const in_t* __restrict__ x, int64_t x_rs,
@@ -205,18 +207,20 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
                                          const in_t* __restrict__ dsum = nullptr,
                                          int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
                                          float* __restrict__ dw_partial = nullptr) {
+  constexpr bool kEarlyDsum = sizeof(in_t) == 4;
   const int c = threadIdx.x * VEC;
   float dw[VEC] = {};
   for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < rows;
        first += int64_t(gridDim.x) * blockDim.y) {
     const int64_t row = first + threadIdx.y;
     const bool active = row < rows;
-    float xv[VEC] = {}, g[VEC] = {};
+    float xv[VEC] = {}, g[VEC] = {}, ds[VEC] = {};
     float r = 0.f;
     if (active) {
       load(x + row * x_rs + c, xv);
       load(dy + row * dy_rs + c, g);
       r = rstd[row * (C / G) + c / G];
+      if (kEarlyDsum && dsum) load(dsum + row * ds_rs + c, ds);
     }
     float dot = 0.f;
 #pragma unroll
@@ -230,8 +234,7 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
 #pragma unroll
       for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
       if (dsum) {
-        float ds[VEC];
-        load(dsum + row * ds_rs + c, ds);
+        if (!kEarlyDsum) load(dsum + row * ds_rs + c, ds);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
       }
