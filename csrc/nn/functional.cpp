@@ -1124,13 +1124,9 @@ torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
 torch::Tensor aligned_head_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "aligned_head_weight: weight must be (vocab, hidden), got ",
               weight.sizes());
-#ifdef FOX_WITH_CUDA
-  if (weight.is_cuda() && weight.size(0) % 8 != 0 && !switched_off("FOX_PAD_VOCAB")) {
-    torch::NoGradGuard no_grad;
-    return loss_head_weight(weight.detach(), -1);
-  }
-#endif
-  return weight;
+  if (!weight.is_cuda()) return weight;
+  torch::NoGradGuard no_grad;
+  return loss_head_weight(weight.detach(), -1);  // the weight itself unless it is padded
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,

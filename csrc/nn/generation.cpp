@@ -105,9 +105,8 @@ GenerationSession::GenerationSession(ForgettingTransformerForCausalLM model,
   stop_tokens_ = torch::tensor(stop_tokens_of(model_, options), torch::kLong).to(device);
   pad_id_ = pad_id_of(model_, options);
   pad_ = torch::full({}, pad_id_, long_opts);
-  const auto& head = model_->lm_head ? model_->lm_head->weight : weight;
-  vocab_ = head.size(0);
-  head_weight_ = functional::aligned_head_weight(head);
+  vocab_ = model_->lm_head_weight().size(0);
+  head_weight_ = functional::aligned_head_weight(model_->lm_head_weight());
 #ifdef FOX_WITH_CUDA
   graph_->enabled = options.cuda_graph() && device.is_cuda() &&
                     !model_->config.log_pruning_tolerance().has_value();

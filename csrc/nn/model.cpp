@@ -270,7 +270,7 @@ KVCache ForgettingTransformerForCausalLMImpl::new_static_cache(
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::logits(const torch::Tensor& hidden_states) {
-  return functional::logits(hidden_states, lm_head ? lm_head->weight : model->embeddings->weight);
+  return functional::logits(hidden_states, lm_head_weight());
 }
 
 torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
@@ -287,7 +287,7 @@ torch::Tensor ForgettingTransformerForCausalLMImpl::forward(
 torch::Tensor ForgettingTransformerForCausalLMImpl::loss(const torch::Tensor& hidden_states,
                                                          const torch::Tensor& labels,
                                                          const std::string& reduction) {
-  const auto& weight = lm_head ? lm_head->weight : model->embeddings->weight;
+  const auto& weight = lm_head_weight();
   auto targets = labels.to(hidden_states.device(), torch::kLong);
   // FOX_LOSS_CHUNK_ROWS (read at each call): 0 keeps the whole logits for the backward (for
   // comparisons), N > 0 makes them N rows at a time; unset, chunks of about 256 MiB.

@@ -186,6 +186,10 @@ class ForgettingTransformerForCausalLMImpl
                         const std::string& reduction = "none");
   /// logits of hidden states (B, T, hidden).
   torch::Tensor logits(const torch::Tensor& hidden_states);
+  /// The LM head's weight (vocab, hidden): lm_head's, or the embeddings' when they are tied.
+  const torch::Tensor& lm_head_weight() const {
+    return lm_head ? lm_head->weight : model->embeddings->weight;
+  }
   /// The per-token loss (B, T) of hidden states (B, T, hidden) against labels (B, T), as forward
   /// with labels: under autograd through functional::linear_cross_entropy, whose backward makes
   /// the logits again chunk by chunk instead of keeping them. FOX_LOSS_CHUNK_ROWS (read at each
