@@ -269,7 +269,10 @@ struct ForgetGateFunction : public torch::autograd::Function<ForgetGateFunction>
 // columns of one (B, T, W) tensor (strided rows), so the projection's backward takes it as it is,
 // with no concatenation of the parts' gradients (split_with_sizes' backward). The parts passed
 // through are views of y; their gradients are copied in. Bitwise the composition: the same kernels
-// on the same views.
+// on the same views, except that a k part with both a KV-shift and a norm takes them in one
+// kernel each way (shift_norm_*), which rounds every value as the two kernels do; its norm
+// weight's gradient is summed over the rows in the same way, by blocks whose number may differ
+// where they walk many rows.
 struct AttentionInputsFunction : public torch::autograd::Function<AttentionInputsFunction> {
   // The layout as saved data: the fields in order, then the passed parts' (column, width) pairs.
   static std::vector<int64_t> pack(const AttentionInputLayout& l) {
@@ -320,13 +323,25 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
       cuda::shift_mix_forward(part, y.narrow(2, shift, l.shift_heads), {}, out);
       return out;
     };
-    auto k = shifted(l.k, l.k_shift);
+    // The k part's shift and norm in one pass each way (the shifted rows are not kept), unless
+    // FOX_FUSED_SHIFT_NORM=0 (two kernels, the shifted rows saved: for comparisons).
+    const bool one_pass =
+        l.k_shift >= 0 && l.k_group && !switched_off("FOX_FUSED_SHIFT_NORM") &&
+        cuda::shift_norm_fits(rows, l.kv_width, l.k_group, l.kv_width / l.shift_heads,
+                              {y2.narrow(1, l.k, l.kv_width)});
+    auto k = one_pass ? torch::Tensor() : shifted(l.k, l.k_shift);
     if (l.k_group) {
-      k_shifted = k;
       auto normed = torch::empty({B, T, l.kv_width}, y.options());
       rstd_k = torch::empty({rows, l.kv_width / l.k_group}, f32);
-      cuda::rms_norm_forward(rows_view(k), kw, l.k_group, l.norm_eps,
-                             normed.view({rows, l.kv_width}), rstd_k);
+      if (one_pass) {
+        cuda::shift_norm_forward(y2.narrow(1, l.k, l.kv_width),
+                                 y2.narrow(1, l.k_shift, l.shift_heads), T, kw, l.k_group,
+                                 l.norm_eps, normed.view({rows, l.kv_width}), rstd_k);
+      } else {
+        if (l.k_shift >= 0) k_shifted = k;
+        cuda::rms_norm_forward(rows_view(k), kw, l.k_group, l.norm_eps,
+                               normed.view({rows, l.kv_width}), rstd_k);
+      }
       k = normed;
     }
     variable_list out = {q, k, shifted(l.v, l.v_shift)};
@@ -399,7 +414,12 @@ struct AttentionInputsFunction : public torch::autograd::Function<AttentionInput
     };
     const auto dk = l.k_group || l.k_shift >= 0 ? aligned(rows_view(grads[1])) : grads[1];
     auto dk_w = norm_weight_grad(kw, 2);
-    if (l.k_group) {
+    if (l.k_group && l.k_shift >= 0 && !k_shifted.defined()) {  // the forward's one pass
+      cuda::shift_norm_backward(dk, y2.narrow(1, l.k, l.kv_width),
+                                y2.narrow(1, l.k_shift, l.shift_heads), T, float32(kw), rstd_k,
+                                l.k_group, columns(l.k, l.kv_width),
+                                columns(l.k_shift, l.shift_heads), dk_w);
+    } else if (l.k_group) {
       auto into = l.k_shift < 0 ? columns(l.k, l.kv_width) : torch::empty_like(dk);
       const auto k_in = l.k_shift < 0 ? y2.narrow(1, l.k, l.kv_width) : rows_view(k_shifted);
       cuda::rms_norm_backward(dk, k_in, float32(kw), rstd_k, l.k_group, into, dk_w);

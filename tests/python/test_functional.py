@@ -610,6 +610,41 @@ def test_attention_inputs_is_the_composition(layout, dtype, monkeypatch):
     assert torch.all(grads[0][..., 268:] == 0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_inputs_shift_norm_walks(dtype, monkeypatch):
+    """The k part's KV-shift and norm as one kernel each way, at a width and length where the
+    backward's blocks walk many rows (12 heads of 64, 2 x 2500 positions): outputs and y's
+    gradient bitwise the composition's; the k norm weight's gradient is summed by another number
+    of blocks, so it agrees to float32 rounding (the q norm's, one kernel in both, bitwise)."""
+    H, D = 12, 64
+    C = H * D
+    kw = dict(q=0, k=C, v=2 * C, q_width=C, kv_width=C, k_shift=4 * C, v_shift=4 * C + H,
+              shift_heads=H, q_group=D, k_group=D, passed=[(3 * C, C), (4 * C + 2 * H, H)])
+    W = 4 * C + 3 * H + 20
+    g = torch.Generator(device="cuda").manual_seed(11)
+    y = torch.randn(2, 2500, W, device="cuda", generator=g).to(dtype)
+    weights = [1 + 0.1 * torch.randn(C, device="cuda", generator=g) for _ in range(2)]
+
+    def run(setting):
+        monkeypatch.setenv("FOX_FUSED_ATTENTION_INPUTS", setting)
+        xs = [t.detach().clone().requires_grad_() for t in [y] + weights]
+        outs = fused.attention_inputs(xs[0], **kw, q_norm_weight=xs[1], k_norm_weight=xs[2])
+        gen = torch.Generator(device="cuda").manual_seed(12)
+        grads = [torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype) for o in outs]
+        torch.autograd.backward(outs, grads)
+        return outs, [x.grad for x in xs]
+
+    outs, grads = run("1")
+    outs_c, grads_c = run("0")
+    for a, b in zip(outs, outs_c):
+        assert torch.equal(a, b)
+    assert torch.equal(grads[0], grads_c[0]) and torch.equal(grads[1], grads_c[1])
+    dw, dw_c = grads[2], grads_c[2]
+    torch.testing.assert_close(dw, dw_c, rtol=0, atol=1e-4 * dw_c.abs().max().item())
+
+
 def test_bad_arguments_name_the_argument():
     gu, w = torch.randn(4, 16, requires_grad=True), torch.randn(6, 8)
     with pytest.raises(RuntimeError, match="act"):

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <tuple>
 #include <utility>
 
@@ -139,18 +140,52 @@ __device__ __forceinline__ void block_merge(A& a, B& b, Merge merge) {
   }
 }
 
+// The KV-shift's and the norm's per-channel formulas, written once: the kernels that recompute a
+// value another kernel wrote (the shifted rows, made again in a fused backward) must round it
+// bit for bit as that kernel did, so the products are pinned (no contraction left to the compiler).
+__device__ __forceinline__ float shift_value(float a, float prev, float now) {
+  return __fmaf_rn(a, prev, __fmul_rn(1.f - a, now));  // a prev + (1 - a) now
+}
+// d cur[t] = (1 - a_t) d out[t] + a_{t+1} d out[t+1]
+__device__ __forceinline__ float shift_input_grad(float a, float g, float a_next, float g_next) {
+  return __fmaf_rn(a_next, g_next, __fmul_rn(1.f - a, g));
+}
+// dx = r (w dy - xhat m) with xhat = x r, gw = w dy, m = mean(w dy xhat)
+__device__ __forceinline__ float norm_input_grad(float r, float gw, float x, float m) {
+  return __fmul_rn(r, __fsub_rn(gw, __fmul_rn(__fmul_rn(x, r), m)));
+}
+
+// The input of a norm kernel that is a KV-shift of its rows (an attention layer's k part and its
+// shift logits): row (b, t) is shift_value(a, x[t-1], x[t]) rounded to x's dtype, as
+// shift_mix_forward_kernel writes it, zeros before t = 0. No logits: x as it is.
+template <typename T>
+struct ShiftSource {
+  const T* logits = nullptr;  // (rows, heads), row stride lg_rs
+  int64_t lg_rs = 0;
+  uint32_t seq_len = 1;  // rows of one sequence: row r is position r % seq_len
+  int dim = 1;           // channels a logit covers (the shift's head)
+  // The position of a row, in 32 bits (a 64-bit division is a long instruction sequence): the
+  // launchers take at most 2^31 rows.
+  __device__ __forceinline__ uint32_t position(int64_t row) const {
+    return uint32_t(row) % seq_len;
+  }
+};
+
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
 // With `delta`: the input is x + delta, rounded to x's dtype (as the separate add would) and
 // written to `sum` (the residual stream), and y is its norm. delta is x's dtype, or a half
 // precision branch added to a float32 stream (d_t). A thread takes ROWS rows (blockDim.y apart),
-// whose loads are all issued before any store: a block holds ROWS x blockDim.y rows.
-template <typename in_t, typename out_t, typename w_t, int VEC, int ROWS, typename d_t = in_t>
+// whose loads are all issued before any store: a block holds ROWS x blockDim.y rows. With kShift
+// the input is the KV-shift of x's rows (ShiftSource; no delta).
+template <typename in_t, typename out_t, typename w_t, int VEC, int ROWS, typename d_t = in_t,
+          bool kShift = false>
 __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs,
                                         const d_t* __restrict__ delta, int64_t d_rs,
                                         in_t* __restrict__ sum, const w_t* __restrict__ w,
                                         out_t* __restrict__ y, float* __restrict__ rstd,
-                                        int64_t rows, int C, int G, float eps) {
+                                        int64_t rows, int C, int G, float eps,
+                                        ShiftSource<in_t> shift) {
   wait_for_previous_kernel();
   allow_next_kernel();
   const int64_t first = int64_t(blockIdx.x) * ROWS * blockDim.y + threadIdx.y;
@@ -161,6 +196,15 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
     const int64_t row = first + int64_t(n) * blockDim.y;
     if (row >= rows) break;
     load(x + row * x_rs + c, v[n]);
+    if constexpr (kShift) {
+      const float a =
+          sigmoidf(static_cast<float>(shift.logits[row * shift.lg_rs + c / shift.dim]));
+      float prev[VEC] = {};
+      if (shift.position(row) > 0) load(x + (row - 1) * x_rs + c, prev);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        v[n][i] = static_cast<float>(static_cast<in_t>(shift_value(a, prev[i], v[n][i])));
+    }
     if (delta) {
       float d[VEC];
       load(delta + row * d_rs + c, d);
@@ -187,6 +231,25 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
     for (int i = 0; i < VEC; ++i) v[n][i] *= r * (w ? static_cast<float>(w[c + i]) : 1.f);
     store(y + row * C + c, v[n]);
   }
+}
+
+// A walking block's weight-gradient sums (VEC channels a thread, summed over its block rows' rows
+// in order) added over the block rows in order by block row 0 and written as the block's row of
+// dw_partial (gridDim.x, C). Shared memory: blockDim.y x C floats, free to write (after a barrier).
+template <int VEC>
+__device__ __forceinline__ void store_weight_grad_partial(float (&dw)[VEC], int C, int c,
+                                                          float* __restrict__ dw_partial) {
+  extern __shared__ float sums[];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) sums[threadIdx.y * C + c + i] = dw[i];
+  __syncthreads();
+  if (threadIdx.y != 0) return;
+  for (int y = 1; y < int(blockDim.y); ++y) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dw[i] += sums[y * C + c + i];
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) dw_partial[int64_t(blockIdx.x) * C + c + i] = dw[i];
 }
 
 // dx = r * (w dy - xhat * mean(w dy xhat)), xhat = x r. With dsum (x's dtype): dx + dsum, the
@@ -232,7 +295,7 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
     const float m = group_sum(dot, G / VEC) * r / G;  // mean(w dy xhat)
     if (active) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) g[i] = r * (g[i] - xv[i] * r * m);
+      for (int i = 0; i < VEC; ++i) g[i] = norm_input_grad(r, g[i], xv[i], m);
       if (dsum) {
         if (!kEarlyDsum) load(dsum + row * ds_rs + c, ds);
 #pragma unroll
@@ -244,18 +307,7 @@ __global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t 
     if (!dw_partial) return;  // one block row per block
     __syncthreads();  // group_sum's buffer is written again for the next block row
   }
-  // The block rows' sums, added in order by block row 0 (the buffer holds blockDim.y x C floats).
-  extern __shared__ float sums[];
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) sums[threadIdx.y * C + c + i] = dw[i];
-  __syncthreads();
-  if (threadIdx.y != 0) return;
-  for (int y = 1; y < int(blockDim.y); ++y) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dw[i] += sums[y * C + c + i];
-  }
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) dw_partial[int64_t(blockIdx.x) * C + c + i] = dw[i];
+  store_weight_grad_partial(dw, C, c, dw_partial);
 }
 
 // ---- KV-shift -------------------------------------------------------------------------------------
@@ -284,7 +336,7 @@ __global__ void shift_mix_forward_kernel(const T* __restrict__ cur, int64_t cur_
   }
   if (last && t == T_ - 1) store(last + b * C + c, now);
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) now[i] = a * prev[i] + (1.f - a) * now[i];
+  for (int i = 0; i < VEC; ++i) now[i] = shift_value(a, prev[i], now[i]);
   store(out + row * C + c, now);
 }
 
@@ -333,8 +385,89 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
     store(dfirst + b * C + c, df);
   }
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) g[i] = (1.f - a) * g[i] + a_next * g_next[i];
+  for (int i = 0; i < VEC; ++i) g[i] = shift_input_grad(a, g[i], a_next, g_next[i]);
   store(dcur + b * dc_bs + t * dc_ts + c, g);
+}
+
+// The backward of the KV-shift and the norm after it (the forward: rms_norm_forward_kernel with
+// kShift) in one pass, the shifted rows made again from cur instead of kept. Row t's d cur needs
+// the shift's output gradient at t and t + 1, so each thread takes the norm's backward of both
+// rows (row t + 1 a second time: its loads come from L1/L2), rounded to T as
+// rms_norm_backward_kernel rounds it, then the shift's. The norm weight's gradient (row t's) is
+// summed as rms_norm_backward_kernel's: each block walks block rows and writes one row of
+// dw_partial. Its walk waits for memory once a block row, so warps an SM count: at most 80
+// registers (4 blocks an SM at 768 bf16 channels, 3 at the 95 it takes unbounded; H200, 16384
+// rows: 59 us a call against 68, and 70 at 64 registers, where it spills; the two kernels it
+// replaces take ~61 together).
+constexpr int kShiftNormThreads = 256;
+constexpr int64_t kShiftNormMaxRows = int64_t(1) << 31;  // positions in 32 bits
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kShiftNormThreads, 3)
+    shift_norm_backward_kernel(const T* __restrict__ dy, int64_t dy_rs, const T* __restrict__ cur,
+                               int64_t cur_rs, ShiftSource<T> shift, const float* __restrict__ w,
+                               const float* __restrict__ rstd, T* __restrict__ dcur, int64_t dc_rs,
+                               T* __restrict__ dlogits, int64_t dl_rs, int64_t rows, int C, int G,
+                               float* __restrict__ dw_partial) {
+  const int c = threadIdx.x * VEC, h = c / shift.dim;
+  float dw[VEC] = {};
+  for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < rows;
+       first += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t row = first + threadIdx.y;
+    const bool active = row < rows;
+    const uint32_t t = active ? shift.position(row) : 0;
+    const bool has_next = active && t + 1 < shift.seq_len;
+    float prev[VEC] = {}, now[VEC] = {}, next[VEC] = {}, g[VEC] = {}, g_next[VEC] = {};
+    float a = 0.f, a_next = 0.f, r = 0.f, r_next = 0.f;
+    if (active) {
+      load(cur + row * cur_rs + c, now);
+      load(dy + row * dy_rs + c, g);
+      if (t > 0) load(cur + (row - 1) * cur_rs + c, prev);
+      a = sigmoidf(static_cast<float>(shift.logits[row * shift.lg_rs + h]));
+      r = rstd[row * (C / G) + c / G];
+      if (has_next) {
+        load(cur + (row + 1) * cur_rs + c, next);
+        load(dy + (row + 1) * dy_rs + c, g_next);
+        a_next = sigmoidf(static_cast<float>(shift.logits[(row + 1) * shift.lg_rs + h]));
+        r_next = rstd[(row + 1) * (C / G) + c / G];
+      }
+    }
+    // The norm's backward at t and t + 1 on the shifted rows (zero on rows that do not exist).
+    float dots[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float x = static_cast<float>(static_cast<T>(shift_value(a, prev[i], now[i])));
+      const float x_next =
+          static_cast<float>(static_cast<T>(shift_value(a_next, now[i], next[i])));
+      dw[i] += g[i] * x * r;
+      g[i] *= w ? w[c + i] : 1.f;
+      g_next[i] *= w ? w[c + i] : 1.f;
+      dots[0] += g[i] * x;
+      dots[1] += g_next[i] * x_next;
+      prev[i] -= now[i];  // what the shift's logit gradient reads
+      now[i] = x;         // now and next hold the shifted rows from here
+      next[i] = x_next;
+    }
+    group_sums(dots, G / VEC);
+    const float m = dots[0] * r / G, m_next = dots[1] * r_next / G;
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      g[i] = static_cast<float>(static_cast<T>(norm_input_grad(r, g[i], now[i], m)));
+      g_next[i] =
+          static_cast<float>(static_cast<T>(norm_input_grad(r_next, g_next[i], next[i], m_next)));
+      dot += prev[i] * g[i];
+    }
+    __syncthreads();  // group_sums' buffer is written again
+    dot = group_sum(dot, shift.dim / VEC);
+    if (active) {
+      if (c % shift.dim == 0) dlogits[row * dl_rs + h] = static_cast<T>(dot * a * (1.f - a));
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) g[i] = shift_input_grad(a, g[i], a_next, g_next[i]);
+      store(dcur + row * dc_rs + c, g);
+    }
+    __syncthreads();  // before the next block row's sums
+  }
+  if (dw_partial) store_weight_grad_partial(dw, C, c, dw_partial);
 }
 
 // ---- gates: y = act(g) * u ------------------------------------------------------------------------
@@ -737,6 +870,13 @@ int row_vector_width(int64_t channels, int64_t group, std::initializer_list<at::
   return 0;
 }
 
+bool shift_norm_fits(int64_t rows, int64_t channels, int64_t group, int64_t head,
+                     std::initializer_list<at::Tensor> tensors) {
+  if (group <= 0 || head <= 0 || rows > kShiftNormMaxRows) return false;
+  const int vec = row_vector_width(channels, std::gcd(group, head), tensors);
+  return vec > 0 && channels / vec <= kShiftNormThreads;  // row_launch's blocks then fit too
+}
+
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t group, double eps,
                       const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& delta,
                       const at::Tensor& sum) {
@@ -769,7 +909,7 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
             rms_norm_forward_kernel<float, scalar_t, float, VEC, kMixedRows, scalar_t>, L.grid,
             L.block, L.smem, stream, x.data_ptr<float>(), x.stride(0), delta.data_ptr<scalar_t>(),
             d_rs, sum.data_ptr<float>(), optional_float(weight), y.data_ptr<scalar_t>(),
-            rstd.data_ptr<float>(), rows, C, int(group), float(eps)));
+            rstd.data_ptr<float>(), rows, C, int(group), float(eps), ShiftSource<float>{}));
       });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -786,13 +926,13 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
               rms_norm_forward_kernel<in_t, scalar_t, float, VEC, kRows>, L.grid, L.block, L.smem,
               stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
               optional_float(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, C,
-              int(group), float(eps)));
+              int(group), float(eps), ShiftSource<in_t>{}));
         } else {
           C10_CUDA_CHECK(launch_dependent(
               rms_norm_forward_kernel<in_t, scalar_t, in_t, VEC, kRows>, L.grid, L.block, L.smem,
               stream, x.data_ptr<in_t>(), x.stride(0), d, d_rs, optional_mut<in_t>(sum),
               optional_ptr<in_t>(weight), y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows,
-              C, int(group), float(eps)));
+              C, int(group), float(eps), ShiftSource<in_t>{}));
         }
       });
     });
@@ -921,6 +1061,100 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void shift_norm_forward(const at::Tensor& cur, const at::Tensor& logits, int64_t seq_len,
+                        const at::Tensor& weight, int64_t group, double eps, const at::Tensor& y,
+                        const at::Tensor& rstd) {
+  c10::cuda::CUDAGuard guard(cur.device());
+  const int64_t rows = cur.size(0);
+  const int C = int(cur.size(1));
+  if (rows == 0) return;
+  TORCH_CHECK(rows % seq_len == 0 && C % logits.size(1) == 0 && logits.size(0) == rows,
+              "shift_norm_forward: cur (", cur.sizes(), ") and logits (", logits.sizes(),
+              ") must be rows of whole sequences of ", seq_len);
+  TORCH_CHECK(rows <= kShiftNormMaxRows, "shift_norm_forward: at most ", kShiftNormMaxRows,
+              " rows, got ", rows);
+  const int D = C / int(logits.size(1));
+  const int vec = checked_width(C, std::gcd(int(group), D), {cur, y});
+  TORCH_CHECK(!weight.defined() || weight.scalar_type() == at::kFloat ||
+                  weight.scalar_type() == cur.scalar_type(),
+              "shift_norm_forward: weight must be float32 or cur's dtype");
+  // Four rows a thread, as the per-head norms (H200, 16384 rows of 768 bf16: 26 us a call
+  // against 28 with two rows and 30 with one; the two kernels it replaces took ~39).
+  constexpr int kRows = 4;
+  const auto L = row_launch(rows, C, vec, kRows);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FOX_FLOAT_TYPES(cur.scalar_type(), "shift_norm_forward", [&] {
+    const ShiftSource<scalar_t> shift{logits.data_ptr<scalar_t>(), logits.stride(0),
+                                      uint32_t(seq_len), D};
+    FOX_VEC_SWITCH(vec, [&] {
+      auto launch = [&](auto kernel, const auto* w) {
+        C10_CUDA_CHECK(launch_dependent(kernel, L.grid, L.block, L.smem, stream,
+                                        cur.data_ptr<scalar_t>(), cur.stride(0),
+                                        static_cast<const scalar_t*>(nullptr), int64_t(0),
+                                        static_cast<scalar_t*>(nullptr), w,
+                                        y.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows, C,
+                                        int(group), float(eps), shift));
+      };
+      if (!weight.defined() || weight.scalar_type() == at::kFloat) {
+        launch(rms_norm_forward_kernel<scalar_t, scalar_t, float, VEC, kRows, scalar_t, true>,
+               optional_float(weight));
+      } else {
+        launch(rms_norm_forward_kernel<scalar_t, scalar_t, scalar_t, VEC, kRows, scalar_t, true>,
+               optional_ptr<scalar_t>(weight));
+      }
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void shift_norm_backward(const at::Tensor& dy, const at::Tensor& cur, const at::Tensor& logits,
+                         int64_t seq_len, const at::Tensor& weight, const at::Tensor& rstd,
+                         int64_t group, const at::Tensor& dcur, const at::Tensor& dlogits,
+                         const at::Tensor& dweight) {
+  c10::cuda::CUDAGuard guard(cur.device());
+  const int64_t rows = cur.size(0);
+  const int C = int(cur.size(1));
+  if (rows == 0) {
+    if (dweight.defined()) dweight.zero_();
+    return;
+  }
+  TORCH_CHECK(rows % seq_len == 0 && C % logits.size(1) == 0 && logits.size(0) == rows,
+              "shift_norm_backward: cur (", cur.sizes(), ") and logits (", logits.sizes(),
+              ") must be rows of whole sequences of ", seq_len);
+  TORCH_CHECK(rows <= kShiftNormMaxRows, "shift_norm_backward: at most ", kShiftNormMaxRows,
+              " rows, got ", rows);
+  TORCH_CHECK(!weight.defined() || weight.scalar_type() == at::kFloat,
+              "shift_norm_backward: weight must be float32");
+  const int D = C / int(logits.size(1));
+  const int vec = checked_width(C, std::gcd(int(group), D), {dy, cur, dcur});
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor partial;
+  FOX_FLOAT_TYPES(cur.scalar_type(), "shift_norm_backward", [&] {
+    const ShiftSource<scalar_t> shift{logits.data_ptr<scalar_t>(), logits.stride(0),
+                                      uint32_t(seq_len), D};
+    FOX_VEC_SWITCH(vec, [&] {
+      auto kernel = shift_norm_backward_kernel<scalar_t, VEC>;
+      auto L = row_launch(rows, C, vec);
+      L.smem *= 2;  // group_sums' buffer holds two values a thread
+      float* dw_partial = nullptr;
+      if (dweight.defined()) {  // as rms_norm_backward: a grid the device holds, walking rows
+        L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
+        L.grid.x = unsigned(std::min<int64_t>(L.grid.x, resident_blocks(kernel, L.block, L.smem)));
+        partial = at::empty({int64_t(L.grid.x), C}, cur.options().dtype(at::kFloat));
+        dw_partial = partial.data_ptr<float>();
+      }
+      kernel<<<L.grid, L.block, L.smem, stream>>>(
+          dy.data_ptr<scalar_t>(), dy.stride(0), cur.data_ptr<scalar_t>(), cur.stride(0), shift,
+          optional_float(weight), rstd.data_ptr<float>(), dcur.data_ptr<scalar_t>(),
+          dcur.stride(0), dlogits.data_ptr<scalar_t>(), dlogits.stride(0), rows, C, int(group),
+          dw_partial);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (partial.defined())
+    at::mv_out(const_cast<at::Tensor&>(dweight), partial.t(), ones_like_rows(partial));
 }
 
 void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at::Tensor& y) {
