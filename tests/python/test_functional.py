@@ -576,6 +576,19 @@ ATTENTION_INPUT_LAYOUTS = {
 }
 
 
+def attention_inputs_step(y, weights, layout, fused_node, monkeypatch, seed):
+    """attention_inputs of y (and the q and k norm weights) under autograd, its fused node on
+    (FOX_FUSED_ATTENTION_INPUTS=fused_node "1") or composed ("0"), backward from random incoming
+    gradients (seeded): (outputs, gradients of y and of both weights)."""
+    monkeypatch.setenv("FOX_FUSED_ATTENTION_INPUTS", fused_node)
+    xs = [t.detach().clone().requires_grad_() for t in [y] + weights]
+    outs = fused.attention_inputs(xs[0], **layout, q_norm_weight=xs[1], k_norm_weight=xs[2])
+    gen = torch.Generator(device=y.device).manual_seed(seed)
+    grads = [torch.randn(o.shape, device=y.device, generator=gen).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grads)
+    return outs, [x.grad for x in xs]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("layout", list(ATTENTION_INPUT_LAYOUTS))
@@ -590,18 +603,9 @@ def test_attention_inputs_is_the_composition(layout, dtype, monkeypatch):
     y = torch.randn(2, 37, 320, device="cuda", generator=g).to(dtype)
     weights = [1 + 0.1 * torch.randn(64, device="cuda", generator=g) for _ in range(2)]
 
-    def run(setting):
-        monkeypatch.setenv("FOX_FUSED_ATTENTION_INPUTS", setting)
-        xs = [t.detach().clone().requires_grad_() for t in [y] + weights]
-        outs = fused.attention_inputs(xs[0], **kw, q_norm_weight=xs[1], k_norm_weight=xs[2])
-        gen = torch.Generator(device="cuda").manual_seed(6)
-        grads = [torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype) for o in outs]
-        torch.autograd.backward(outs, grads)
-        return outs, [x.grad for x in xs]
-
-    outs, grads = run("1")
+    outs, grads = attention_inputs_step(y, weights, kw, "1", monkeypatch, seed=6)
     assert "AttentionInputs" in outs[0].grad_fn.name()  # the fused node, not the composition
-    outs_c, grads_c = run("0")
+    outs_c, grads_c = attention_inputs_step(y, weights, kw, "0", monkeypatch, seed=6)
     assert "AttentionInputs" not in outs_c[0].grad_fn.name()
     for a, b in zip(outs, outs_c):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -627,17 +631,8 @@ def test_attention_inputs_shift_norm_walks(dtype, monkeypatch):
     y = torch.randn(2, 2500, W, device="cuda", generator=g).to(dtype)
     weights = [1 + 0.1 * torch.randn(C, device="cuda", generator=g) for _ in range(2)]
 
-    def run(setting):
-        monkeypatch.setenv("FOX_FUSED_ATTENTION_INPUTS", setting)
-        xs = [t.detach().clone().requires_grad_() for t in [y] + weights]
-        outs = fused.attention_inputs(xs[0], **kw, q_norm_weight=xs[1], k_norm_weight=xs[2])
-        gen = torch.Generator(device="cuda").manual_seed(12)
-        grads = [torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype) for o in outs]
-        torch.autograd.backward(outs, grads)
-        return outs, [x.grad for x in xs]
-
-    outs, grads = run("1")
-    outs_c, grads_c = run("0")
+    outs, grads = attention_inputs_step(y, weights, kw, "1", monkeypatch, seed=12)
+    outs_c, grads_c = attention_inputs_step(y, weights, kw, "0", monkeypatch, seed=12)
     for a, b in zip(outs, outs_c):
         assert torch.equal(a, b)
     assert torch.equal(grads[0], grads_c[0]) and torch.equal(grads[1], grads_c[1])
