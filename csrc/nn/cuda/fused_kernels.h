@@ -46,18 +46,18 @@ void shift_mix_backward(const at::Tensor& dout, const at::Tensor& cur, const at:
                         const at::Tensor& first, const at::Tensor& dcur,
                         const at::Tensor& dlogits, const at::Tensor& dfirst);
 
+// Whether shift_norm_forward / shift_norm_backward take `rows` rows of `channels` in norm groups
+// of `group` and shift heads of `head` from these tensors (the row kernels' conditions, at most
+// 256 threads a row and 2^31 rows).
+bool shift_norm_fits(int64_t rows, int64_t channels, int64_t group, int64_t head,
+                     std::initializer_list<at::Tensor> tensors);
 // The KV-shift of an attention layer's k part and the RMSNorm by group after it, in one pass
 // each way, the shifted rows never stored: the forward is rms_norm_forward on
 // shift_mix_forward(cur, logits) (zeros before each sequence's first row), bitwise; the backward
-// recomputes the shifted rows and writes d cur, d logits and d weight (float32, when defined) as
-// rms_norm_backward then shift_mix_backward would. cur (rows, C), logits (rows, H) and their
-// gradients: 2-D row views (any row stride) of sequences of seq_len rows, one after another; dy,
-// y contiguous. The backward's weight is float32.
-// Whether the two take `rows` rows of `channels` in norm groups of `group` and shift heads of
-// `head` from these tensors (the row kernels' conditions, at most 256 threads a row and 2^31
-// rows).
-bool shift_norm_fits(int64_t rows, int64_t channels, int64_t group, int64_t head,
-                     std::initializer_list<at::Tensor> tensors);
+// makes the shifted rows again and writes d cur, d logits and d weight (float32, when defined) as
+// rms_norm_backward then shift_mix_backward would. cur (rows, C), logits (rows, H), dy and the
+// gradients: 2-D row views (any row stride) of sequences of seq_len rows, one after another; y
+// contiguous. The backward's weight is float32.
 void shift_norm_forward(const at::Tensor& cur, const at::Tensor& logits, int64_t seq_len,
                         const at::Tensor& weight, int64_t group, double eps, const at::Tensor& y,
                         const at::Tensor& rstd);
