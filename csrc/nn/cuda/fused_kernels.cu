@@ -395,10 +395,10 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
 // rows (row t + 1 a second time: its loads come from L1/L2), rounded to T as
 // rms_norm_backward_kernel rounds it, then the shift's. The norm weight's gradient (row t's) is
 // summed as rms_norm_backward_kernel's: each block walks block rows and writes one row of
-// dw_partial. Its walk waits for memory once a block row, so warps an SM count: at most 80
-// registers (4 blocks an SM at 768 bf16 channels, 3 at the 95 it takes unbounded; H200, 16384
-// rows: 59 us a call against 68, and 70 at 64 registers, where it spills; the two kernels it
-// replaces take ~61 together).
+// dw_partial. Its walk waits for memory once a block row, so warps an SM count: bounded for 3
+// blocks of 256 threads it takes 80 registers, 4 of its 192-thread blocks an SM at 768 bf16
+// channels, against 3 at the 95 it takes unbounded (H200, 16384 rows: 59 us a call against 68,
+// and 70 bounded for 4 blocks, where it spills; the two kernels it replaces take ~61 together).
 constexpr int kShiftNormThreads = 256;
 constexpr int64_t kShiftNormMaxRows = int64_t(1) << 31;  // positions in 32 bits
 template <typename T, int VEC>
