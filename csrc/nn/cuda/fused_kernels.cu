@@ -951,6 +951,28 @@ const at::Tensor& ones_like_rows(const at::Tensor& t) {
   if (!ones.defined()) ones = at::ones({t.size(0)}, t.options().dtype(at::kFloat));
   return ones;
 }
+
+// A norm weight's gradient made by walking blocks (rms_norm_backward_kernel,
+// shift_norm_backward_kernel): fit() takes a launch down to as many blocks as the device holds at
+// once, each walking many rows and writing its sums as one row of `partial` (with shared memory
+// for its block rows' sums), and returns that buffer; finish() adds its rows up in order.
+struct WeightGradPartials {
+  at::Tensor partial;
+
+  template <typename Kernel>
+  float* fit(Kernel kernel, RowLaunch& L, int C, const at::TensorOptions& options) {
+    L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
+    L.grid.x = unsigned(std::min<int64_t>(L.grid.x, resident_blocks(kernel, L.block, L.smem)));
+    partial = at::empty({int64_t(L.grid.x), C}, options.dtype(at::kFloat));
+    return partial.data_ptr<float>();
+  }
+  // partial^T ones: cuBLAS's matrix-vector product takes ~4 us for 1056 x 768 on an H100, ATen's
+  // column sum ~9 (both in a fixed order).
+  void finish(const at::Tensor& dweight) const {
+    if (partial.defined())
+      at::mv_out(const_cast<at::Tensor&>(dweight), partial.t(), ones_like_rows(partial));
+  }
+};
 }  // namespace
 
 void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
@@ -972,19 +994,11 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
               "rms_norm_backward: dx_cast must have x's dtype, or dy's when x is float32");
   const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
   const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
-  at::Tensor partial;
+  WeightGradPartials dw;
   auto launch = [&](auto kernel, auto* dy_p, auto* x_p, auto* dx_p, auto* dsum_p, auto* cast_p) {
     auto L = row_launch(rows, C, vec);
-    // With the weight's gradient: as many blocks as the device holds at once, each walking many
-    // rows (its partial sums are one row of `partial`), with shared memory for its block rows'
-    // sums.
-    float* dw_partial = nullptr;
-    if (dweight.defined()) {
-      L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
-      L.grid.x = unsigned(std::min<int64_t>(L.grid.x, resident_blocks(kernel, L.block, L.smem)));
-      partial = at::empty({int64_t(L.grid.x), C}, x.options().dtype(at::kFloat));
-      dw_partial = partial.data_ptr<float>();
-    }
+    // With the weight's gradient: walking blocks (without, a block takes one block row).
+    float* dw_partial = dweight.defined() ? dw.fit(kernel, L, C, x.options()) : nullptr;
     kernel<<<L.grid, L.block, L.smem, stream>>>(
         dy_p, dy.stride(0), x_p, x.stride(0), optional_float(weight), rstd.data_ptr<float>(), dx_p,
         dx.stride(0), rows, C, int(group), dsum_p, ds_rs, cast_p, dw_partial);
@@ -1011,10 +1025,7 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
     });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // The blocks' partial rows added up as partial^T ones: cuBLAS's matrix-vector product takes
-  // ~4 us for 1056 x 768 on an H100, ATen's column sum ~9 (both in a fixed order).
-  if (partial.defined())
-    at::mv_out(const_cast<at::Tensor&>(dweight), partial.t(), ones_like_rows(partial));
+  dw.finish(dweight);
 }
 
 void shift_mix_forward(const at::Tensor& cur, const at::Tensor& logits, const at::Tensor& first,
@@ -1130,7 +1141,7 @@ void shift_norm_backward(const at::Tensor& dy, const at::Tensor& cur, const at::
   const int D = C / int(logits.size(1));
   const int vec = checked_width(C, std::gcd(int(group), D), {dy, cur, dcur});
   auto stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor partial;
+  WeightGradPartials dw;
   FOX_FLOAT_TYPES(cur.scalar_type(), "shift_norm_backward", [&] {
     const ShiftSource<scalar_t> shift{logits.data_ptr<scalar_t>(), logits.stride(0),
                                       uint32_t(seq_len), D};
@@ -1138,13 +1149,7 @@ void shift_norm_backward(const at::Tensor& dy, const at::Tensor& cur, const at::
       auto kernel = shift_norm_backward_kernel<scalar_t, VEC>;
       auto L = row_launch(rows, C, vec);
       L.smem *= 2;  // group_sums' buffer holds two values a thread
-      float* dw_partial = nullptr;
-      if (dweight.defined()) {  // as rms_norm_backward: a grid the device holds, walking rows
-        L.smem = std::max<size_t>(L.smem, size_t(L.block.y) * C * sizeof(float));
-        L.grid.x = unsigned(std::min<int64_t>(L.grid.x, resident_blocks(kernel, L.block, L.smem)));
-        partial = at::empty({int64_t(L.grid.x), C}, cur.options().dtype(at::kFloat));
-        dw_partial = partial.data_ptr<float>();
-      }
+      float* dw_partial = dweight.defined() ? dw.fit(kernel, L, C, cur.options()) : nullptr;
       kernel<<<L.grid, L.block, L.smem, stream>>>(
           dy.data_ptr<scalar_t>(), dy.stride(0), cur.data_ptr<scalar_t>(), cur.stride(0), shift,
           optional_float(weight), rstd.data_ptr<float>(), dcur.data_ptr<scalar_t>(),
@@ -1153,8 +1158,7 @@ void shift_norm_backward(const at::Tensor& dy, const at::Tensor& cur, const at::
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (partial.defined())
-    at::mv_out(const_cast<at::Tensor&>(dweight), partial.t(), ones_like_rows(partial));
+  dw.finish(dweight);
 }
 
 void gated_forward(const at::Tensor& g, const at::Tensor& u, bool silu, const at::Tensor& y) {
