@@ -141,10 +141,6 @@ torch::Tensor GenerationSession::prefill() {
   const auto ids = input_ids_.to(cache_.lengths.device(), torch::kLong);
   // Only each row's last position takes the LM head: a chunk's whole logits would be chunk x
   // vocab of memory and of GEMM (3.3 GB at 32k tokens of a 50k vocabulary) for one row's use.
-  auto hidden_of = [&](const torch::Tensor& chunk_ids, KVCache* cache,
-                       const std::optional<torch::Tensor>& seq_start) {
-    return model_->model->forward(chunk_ids, cache, seq_start);
-  };
   auto last_row = [](const torch::Tensor& hidden) { return hidden.select(1, hidden.size(1) - 1); };
   torch::Tensor last_logits;  // (B, vocab)
   if (options_.prompt_lengths() && options_.prompt_lengths()->defined()) {
@@ -158,8 +154,8 @@ torch::Tensor GenerationSession::prefill() {
       KVCache row = cache_.row(b);
       torch::Tensor hidden;
       for (int64_t s = 0; s < n; s += chunk)
-        hidden = hidden_of(ids.narrow(0, b, 1).narrow(1, s, std::min(chunk, n - s)), &row,
-                           std::nullopt);
+        hidden = model_->model->forward(ids.narrow(0, b, 1).narrow(1, s, std::min(chunk, n - s)),
+                                        &row, std::nullopt);
       rows.push_back(last_row(hidden));
     }
     cache_.length_bound = longest;
@@ -169,7 +165,7 @@ torch::Tensor GenerationSession::prefill() {
     if (options_.seq_start() && options_.seq_start()->defined()) seq_start = options_.seq_start();
     torch::Tensor hidden;
     for (int64_t s = 0; s < T; s += chunk)
-      hidden = hidden_of(ids.narrow(1, s, std::min(chunk, T - s)), &cache_, seq_start);
+      hidden = model_->model->forward(ids.narrow(1, s, std::min(chunk, T - s)), &cache_, seq_start);
     last_logits = logits_of(last_row(hidden));
   }
   prefilled_ = true;
