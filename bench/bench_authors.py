@@ -15,7 +15,10 @@ the same weights (the losses agree), the same random tokens, the gradients set t
 step as a training loop does, the steps interleaved (median of each side's steps), each step
 timed from an idle GPU (the host's launches before the GPU has work count) and, in a second
 column, four steps back to back per timing (a loop that reads its loss back only at logged steps,
-as `fox train` does: the host queues the next step while the GPU runs). Peak memory:
+as `fox train` does: the host queues the next step while the GPU runs), and in a third, each
+model's step captured as a CUDA graph and replayed (the GPU's work alone: a step whose host
+launches more slowly than its GPU runs is timed at the GPU's speed; the losses of the replays are
+the eager steps'). Peak memory:
 the largest allocation during a step with the gradients of the step before still held, and from
 zero gradients (optimizer state aside).
 
@@ -27,6 +30,7 @@ their spread (bench/NOTES.md, "Against the authors' implementation").
 import argparse
 import importlib
 import inspect
+import math
 import sys
 
 import torch
@@ -95,6 +99,30 @@ def training_step(model, ids, labels, authors, fresh_gradients=True, per_token=F
     return step
 
 
+def graphed_step(model, ids, labels, authors):
+    """The training step (the gradients written, not added) captured once as a CUDA graph, as a
+    closure that replays it: the GPU's own time for the step, without the host's launches. The
+    gradients live in the graph's memory from then on (the capture starts from none, so its
+    backward writes them), and the loss is the graph's output."""
+    step = training_step(model, ids, labels, authors, fresh_gradients=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (autotuning, workspaces) off the capture
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+
+    def replay():
+        graph.replay()
+        return loss
+    return replay
+
+
 def peaks_gib(model, step, other):
     """(peak with the previous step's gradients held, peak from zero gradients), GiB, of model's
     step (fresh_gradients=False), without the other model's parameters (its gradients are
@@ -129,9 +157,9 @@ def main():
           f"{args.layers} layers, 12 heads, vocab {args.vocab}, bf16 autocast, fwd+bwd")
     print("| model | B x T | ours k tokens/s (MFU) | authors' k tokens/s (MFU) | ratio | ours with "
           "the per-token loss: k tokens/s, ratio | 4 steps a sync: ours / authors' k tokens/s, "
-          "ratio | ours peak GiB (held / from zero) | authors' peak GiB | peak ratio | loss (ours "
-          "/ authors') |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "ratio | graphed: ours / authors' k tokens/s, ratio | ours peak GiB (held / from zero) "
+          "| authors' peak GiB | peak ratio | loss (ours / authors') |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs.split(","):
         for shape in args.shapes:
             B, T = (int(x) for x in shape.split("x"))
@@ -148,6 +176,11 @@ def main():
             t_ours, t_theirs, t_per_token = interleaved_ms([our_step, their_step, per_token_step],
                                                            args.reps)
             t_ours_run, t_theirs_run = interleaved_ms([our_step, their_step], args.reps, run=4)
+            graphs = [graphed_step(ours, ids, labels, False), graphed_step(theirs, ids, labels, True)]
+            graphed_losses = [g().item() for g in graphs]
+            assert all(math.isclose(g, e, rel_tol=1e-5) for g, e in zip(graphed_losses, losses)), \
+                (graphed_losses, losses)
+            t_ours_graph, t_theirs_graph = interleaved_ms(graphs, args.reps)
             flops = training_flops_per_token(ours, T)
             tok = B * T / 1e3
             print(f"| {arch} | {B} x {T} | {tok / t_ours * 1e3:,.0f} "
@@ -155,10 +188,12 @@ def main():
                   f"({mfu(tok / t_theirs * 1e6, flops):.1%}) | {t_theirs / t_ours:.2f} | "
                   f"{tok / t_per_token * 1e3:,.0f}, {t_theirs / t_per_token:.2f} | "
                   f"{tok / t_ours_run * 1e3:,.0f} / {tok / t_theirs_run * 1e3:,.0f}, "
-                  f"{t_theirs_run / t_ours_run:.2f} | {ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
+                  f"{t_theirs_run / t_ours_run:.2f} | {tok / t_ours_graph * 1e3:,.0f} / "
+                  f"{tok / t_theirs_graph * 1e3:,.0f}, {t_theirs_graph / t_ours_graph:.2f} | "
+                  f"{ours_peak[0]:.2f} / {ours_peak[1]:.2f} | {theirs_peak[0]:.2f} / "
                   f"{theirs_peak[1]:.2f} | {ours_peak[0] / theirs_peak[0]:.2f} | "
                   f"{losses[0]:.4f} / {losses[1]:.4f} |", flush=True)
-            del ours, theirs, our_step, their_step, per_token_step
+            del ours, theirs, our_step, their_step, per_token_step, graphs
             torch.cuda.empty_cache()
 
 

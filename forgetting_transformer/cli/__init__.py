@@ -63,6 +63,9 @@ def _add_train_flags(p):
                    dest="checkpoint_activations",
                    help="keep only each block's input in training and recompute the rest in the "
                         "backward pass (less memory, one more forward of every block)")
+    p.add_argument("--cuda-graph", action="store_true", default=None, dest="cuda_graph",
+                   help="capture each model's forward + backward of a micro-batch as a CUDA graph "
+                        "and replay it (one process on a GPU; the same losses bit for bit)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key; VALUE is parsed as JSON when it can be")
 
@@ -71,6 +74,7 @@ def _config_from(args):
     overrides = {key: getattr(args, key) for _, (key, _, _) in TRAIN_FLAGS.items()}
     overrides["fsdp"] = getattr(args, "fsdp", None)
     overrides["checkpoint_activations"] = getattr(args, "checkpoint_activations", None)
+    overrides["cuda_graph"] = getattr(args, "cuda_graph", None)
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")

@@ -40,6 +40,7 @@ DEFAULTS: Dict[str, Any] = {
     "token_dtype": None,             # uint16 | uint32, for raw token files
     "fsdp": False,                   # under torchrun: FSDP2 (fully_shard per block) instead of DDP
     "checkpoint_activations": False, # recompute each block's activations in the backward pass
+    "cuda_graph": False,             # replay each micro-batch's forward + backward as a CUDA graph
     "context_parallel": 1,           # under torchrun: ranks every sequence is split over
     "context_parallel_layout": "zigzag",  # zigzag | contiguous (forgetting_transformer.distributed)
     "tensorboard": True,             # also log to <out_dir>/tensorboard when it is installed

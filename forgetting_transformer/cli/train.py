@@ -186,6 +186,56 @@ def build_model(cfg, arch: str, index: int, device):
     return model
 
 
+class GraphedMicroBatch:
+    """One model's forward + backward of a micro-batch captured as CUDA graphs and replayed
+    (`--cuda-graph`): the host launches one graph instead of a step's hundreds of kernels, so a
+    step runs at the GPU's speed however slowly the host launches. Two graphs: the first
+    micro-batch of a step writes the gradients (captured from none, so from then on they live in
+    the graphs' memory and must not be set to None), the others add to them. The batch is copied
+    into static inputs; the loss is the sum of the token losses times 1 / n_valid, the product the
+    eager loop's division by a Python number takes, so that both runs agree bit for bit."""
+
+    def __init__(self, model, autocast, micro_batch: int, seq_len: int, device, accumulate: bool):
+        self.x = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
+        self.y = torch.zeros_like(self.x)
+        self.inv_n = torch.ones((), dtype=torch.float32, device=device)
+
+        def step():
+            with autocast():
+                summed = model(self.x, labels=self.y, reduction="sum")
+            loss = summed.float() * self.inv_n
+            loss.backward()
+            return loss.detach()
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture: workspaces, caches, autotuning
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        model.zero_grad(set_to_none=True)
+        self.first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.first):
+            self.first_loss = step()
+        self.rest = None
+        if accumulate:
+            self.rest = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.rest, pool=self.first.pool()):
+                self.rest_loss = step()
+
+    def run(self, x, y, n_valid: int, first: bool) -> torch.Tensor:
+        """The loss of micro-batch (x, y) (host or device tensors), its gradients written (first)
+        or added to the step's."""
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        # ATen divides by a Python number as a product with its float32 reciprocal
+        self.inv_n.fill_(float(torch.tensor(1.0, dtype=torch.float32) / n_valid))
+        graph, loss = (self.first, self.first_loss) if first else (self.rest, self.rest_loss)
+        graph.replay()
+        return loss
+
+
 def _is_dtensor(t) -> bool:
     if not torch.distributed.is_available():
         return False
@@ -594,6 +644,25 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                          f"micro_batch_size {mb}")
     for m in models.values():
         m.train()
+    graphs = {}  # per model, made at the first step (--cuda-graph)
+    if cfg.get("cuda_graph"):
+        if device.type != "cuda":
+            raise SystemExit("--cuda-graph needs a CUDA device (--device cuda)")
+        if ddp.enabled:
+            raise SystemExit("--cuda-graph runs in one process (not under torchrun)")
+
+    def micro_batch_step(a, x, y, n_valid, last_one):
+        """The loss of micro-batch (x, y) of model a, its gradients added to the step's."""
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = not ddp.enabled or last_one or not hasattr(wrapped[a], "no_sync")
+        with (contextlib.nullcontext() if sync else wrapped[a].no_sync()):
+            with autocast():
+                # summed in the loss: its gradients come with the forward
+                summed = wrapped[a](x, labels=y, reduction="sum")
+            loss = summed.float() / n_valid
+            # DDP averages gradients over ranks: scale so that they are the sum.
+            (loss * ddp.world if ddp.enabled else loss).backward()
+        return loss.detach().double()
 
     def save(step: int, train_time: float):
         # Under FSDP2 every rank takes part in gathering the full state; rank 0 writes it.
@@ -636,21 +705,19 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
                 lr = lr_at(step, float(cfgmod.per_model(cfg["lr"], a)), cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
-                opt.zero_grad(set_to_none=True)
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-                for i in range(0, local_B, mb):
-                    x = ids[i:i + mb].to(device, non_blocking=True)
-                    y = labels[i:i + mb].to(device, non_blocking=True)
-                    sync = (not ddp.enabled or i + mb >= local_B or
-                            not hasattr(wrapped[a], "no_sync"))
-                    with (contextlib.nullcontext() if sync else wrapped[a].no_sync()):
-                        with autocast():
-                            # summed in the loss: its gradients come with the forward
-                            summed = wrapped[a](x, labels=y, reduction="sum")
-                        loss = summed.float() / n_valid
-                        # DDP averages gradients over ranks: scale so that they are the sum.
-                        (loss * ddp.world if ddp.enabled else loss).backward()
-                    loss_sum += loss.detach().double()
+                if cfg.get("cuda_graph"):
+                    if a not in graphs:
+                        graphs[a] = GraphedMicroBatch(model, autocast, mb, T, device,
+                                                      accumulate=local_B > mb)
+                    for i in range(0, local_B, mb):
+                        loss = graphs[a].run(ids[i:i + mb], labels[i:i + mb], n_valid, i == 0)
+                        loss_sum += loss.double()
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    for i in range(0, local_B, mb):
+                        loss_sum += micro_batch_step(a, ids[i:i + mb], labels[i:i + mb], n_valid,
+                                                     last_one=i + mb >= local_B)
                 ddp.sum_(loss_sum)
                 gnorm = clip_grad_norm([p for g in opt.param_groups for p in g["params"]],
                                        cfg["grad_clip"])
