@@ -271,8 +271,8 @@ struct ForgetGateFunction : public torch::autograd::Function<ForgetGateFunction>
 // through are views of y; their gradients are copied in. Bitwise the composition: the same kernels
 // on the same views, except that a k part with both a KV-shift and a norm takes them in one
 // kernel each way (shift_norm_*), which rounds every value as the two kernels do; its norm
-// weight's gradient is summed over the rows in the same way, by blocks whose number may differ
-// where they walk many rows.
+// weight's gradient is summed in the same grouping where a thread takes one row (small inputs),
+// and where threads walk runs of rows in another fixed order (equal to float32 rounding).
 struct AttentionInputsFunction : public torch::autograd::Function<AttentionInputsFunction> {
   // The layout as saved data: the fields in order, then the passed parts' (column, width) pairs.
   static std::vector<int64_t> pack(const AttentionInputLayout& l) {

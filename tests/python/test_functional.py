@@ -619,16 +619,17 @@ def test_attention_inputs_is_the_composition(layout, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_inputs_shift_norm_walks(dtype, monkeypatch):
     """The k part's KV-shift and norm as one kernel each way, at a width and length where the
-    backward's blocks walk many rows (12 heads of 64, 2 x 2500 positions): outputs and y's
-    gradient bitwise the composition's; the k norm weight's gradient is summed by another number
-    of blocks, so it agrees to float32 rounding (the q norm's, one kernel in both, bitwise)."""
+    backward's threads walk runs of rows (12 heads of 64, 2 x 2501 positions: the second
+    sequence starts inside a run): outputs and y's gradient bitwise the composition's; the k norm
+    weight's gradient is summed in another grouping of the rows, so it agrees to float32 rounding
+    (the q norm's, one kernel in both, bitwise)."""
     H, D = 12, 64
     C = H * D
     kw = dict(q=0, k=C, v=2 * C, q_width=C, kv_width=C, k_shift=4 * C, v_shift=4 * C + H,
               shift_heads=H, q_group=D, k_group=D, passed=[(3 * C, C), (4 * C + 2 * H, H)])
     W = 4 * C + 3 * H + 20
     g = torch.Generator(device="cuda").manual_seed(11)
-    y = torch.randn(2, 2500, W, device="cuda", generator=g).to(dtype)
+    y = torch.randn(2, 2501, W, device="cuda", generator=g).to(dtype)
     weights = [1 + 0.1 * torch.randn(C, device="cuda", generator=g) for _ in range(2)]
 
     outs, grads = attention_inputs_step(y, weights, kw, "1", monkeypatch, seed=12)

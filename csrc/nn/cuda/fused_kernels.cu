@@ -400,14 +400,16 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
 
 // The backward of the KV-shift and the norm after it (the forward: rms_norm_forward_kernel with
 // kShift) in one pass, the shifted rows made again from cur instead of kept. Row t's d cur needs
-// the shift's output gradient at t and t + 1, so each thread takes the norm's backward of both
-// rows (row t + 1 a second time: its loads come from L1/L2), rounded to T as
-// rms_norm_backward_kernel rounds it, then the shift's. The norm weight's gradient (row t's) is
-// summed as rms_norm_backward_kernel's: each block walks block rows and writes one row of
-// dw_partial. Its walk waits for memory once a block row, so warps an SM count: bounded for 3
-// blocks of 256 threads it takes 80 registers, 4 of its 192-thread blocks an SM at 768 bf16
-// channels, against 3 at the 95 it takes unbounded (H200, 16384 rows: 59 us a call against 68,
-// and 70 bounded for 4 blocks, where it spills; the two kernels it replaces take ~61 together).
+// the norm's input gradient at t and t + 1 (the shift's backward), and the shifted row t + 1 needs
+// cur at t: each thread-row walks a run of consecutive rows and carries row t + 1's cur and norm
+// gradient into the next step, so that every row is loaded and normed once (the shift's
+// neighbours from registers). Every value is rounded as rms_norm_backward_kernel and
+// shift_mix_backward_kernel round it. The norm weight's gradient: each thread sums its run's rows
+// in order, the block its thread-rows in order (one row of dw_partial), the host the blocks in
+// order; with one row a run (small inputs) that is rms_norm_backward_kernel's grouping. Its
+// steps wait for memory one after another (H200, 16384 rows of 768 bf16: 52 us a call, against 54
+// for the form that strode over the rows and loaded and normed each row twice; the bound of 80
+// registers keeps four blocks an SM).
 constexpr int kShiftNormThreads = 256;
 constexpr int64_t kShiftNormMaxRows = int64_t(1) << 31;  // positions in 32 bits
 template <typename T, int VEC>
@@ -420,64 +422,78 @@ __global__ void __launch_bounds__(kShiftNormThreads, 3)
   const int c = threadIdx.x * VEC, h = c / shift.dim;
   const bool barriers =
       !group_sums_by_shuffles(G / VEC) || !group_sums_by_shuffles(shift.dim / VEC);
+  auto sum_over = [&](float v, int per_group) {
+    if (barriers) __syncthreads();  // the buffer of the sum before
+    return group_sum(v, per_group);
+  };
+  const int64_t runs = int64_t(gridDim.x) * blockDim.y;
+  const int64_t len = (rows + runs - 1) / runs;
+  const int64_t begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * len;
+  const int64_t end = begin + len < rows ? begin + len : rows;
   float dw[VEC] = {};
-  for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < rows;
-       first += int64_t(gridDim.x) * blockDim.y) {
-    const int64_t row = first + threadIdx.y;
-    const bool active = row < rows;
-    const uint32_t t = active ? shift.position(row) : 0;
-    const bool has_next = active && t + 1 < shift.seq_len;
-    float prev[VEC] = {}, now[VEC] = {}, next[VEC] = {}, g[VEC] = {}, g_next[VEC] = {};
-    float a = 0.f, a_next = 0.f, r = 0.f, r_next = 0.f;
-    if (active) {
-      load(cur + row * cur_rs + c, now);
-      load(dy + row * dy_rs + c, g);
-      if (t > 0) load(cur + (row - 1) * cur_rs + c, prev);
-      a = sigmoidf(static_cast<float>(shift.logits[row * shift.lg_rs + h]));
-      r = rstd[row * (C / G) + c / G];
-      if (has_next) {
-        load(cur + (row + 1) * cur_rs + c, next);
-        load(dy + (row + 1) * dy_rs + c, g_next);
-        a_next = sigmoidf(static_cast<float>(shift.logits[(row + 1) * shift.lg_rs + h]));
-        r_next = rstd[(row + 1) * (C / G) + c / G];
-      }
+  // The norm's backward of row t whose shifted row is made from prev and now (zero where the row
+  // does not exist): its input gradient n rounded to T, its shift weight returned; with `count`
+  // its part of the weight's gradient is added to dw.
+  auto norm_row = [&](int64_t t, bool exists, const float (&prev)[VEC], const float (&now)[VEC],
+                      bool count, float (&n)[VEC]) {
+    float g[VEC] = {}, x[VEC];
+    float a = 0.f, r = 0.f;
+    if (exists) {
+      load(dy + t * dy_rs + c, g);
+      a = sigmoidf(static_cast<float>(shift.logits[t * shift.lg_rs + h]));
+      r = rstd[t * (C / G) + c / G];
     }
-    // The norm's backward at t and t + 1 on the shifted rows (zero on rows that do not exist).
-    float dots[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float x = static_cast<float>(static_cast<T>(shift_value(a, prev[i], now[i])));
-      const float x_next =
-          static_cast<float>(static_cast<T>(shift_value(a_next, now[i], next[i])));
-      dw[i] += g[i] * x * r;
-      g[i] *= w ? w[c + i] : 1.f;
-      g_next[i] *= w ? w[c + i] : 1.f;
-      dots[0] += g[i] * x;
-      dots[1] += g_next[i] * x_next;
-      prev[i] -= now[i];  // what the shift's logit gradient reads
-      now[i] = x;         // now and next hold the shifted rows from here
-      next[i] = x_next;
-    }
-    group_sums(dots, G / VEC);
-    const float m = dots[0] * r / G, m_next = dots[1] * r_next / G;
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      g[i] = static_cast<float>(static_cast<T>(norm_input_grad(r, g[i], now[i], m)));
-      g_next[i] =
-          static_cast<float>(static_cast<T>(norm_input_grad(r_next, g_next[i], next[i], m_next)));
-      dot += prev[i] * g[i];
+      x[i] = static_cast<float>(static_cast<T>(shift_value(a, prev[i], now[i])));
+      if (count) dw[i] += g[i] * x[i] * r;
+      g[i] *= w ? w[c + i] : 1.f;
+      dot += g[i] * x[i];
     }
-    if (barriers) __syncthreads();  // group_sums' buffer is written again
-    dot = group_sum(dot, shift.dim / VEC);
-    if (active) {
-      if (c % shift.dim == 0) dlogits[row * dl_rs + h] = static_cast<T>(dot * a * (1.f - a));
+    const float m = sum_over(dot, G / VEC) * r / G;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) g[i] = shift_input_grad(a, g[i], a_next, g_next[i]);
-      store(dcur + row * dc_rs + c, g);
-    }
-    if (barriers) __syncthreads();  // before the next block row's sums
+    for (int i = 0; i < VEC; ++i)
+      n[i] = static_cast<float>(static_cast<T>(norm_input_grad(r, g[i], x[i], m)));
+    return a;
+  };
+  // Row t's state: cur at t - 1 (zero at a sequence's start) and t, its norm gradient, its a.
+  float prev[VEC] = {}, now[VEC] = {}, n[VEC];
+  if (begin < rows) {
+    load(cur + begin * cur_rs + c, now);
+    if (shift.position(begin) > 0) load(cur + (begin - 1) * cur_rs + c, prev);
   }
+  float a = norm_row(begin, begin < rows, prev, now, true, n);
+  for (int64_t t = begin; t < begin + len; ++t) {
+    const bool active = t < end;
+    const bool next_exists = active && t + 1 < rows;
+    const bool has_next = next_exists && shift.position(t + 1) > 0;  // the same sequence
+    float next[VEC] = {}, next_prev[VEC], n_next[VEC];
+    if (next_exists) load(cur + (t + 1) * cur_rs + c, next);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) next_prev[i] = has_next ? now[i] : 0.f;
+    const float a_next = norm_row(t + 1, next_exists, next_prev, next, t + 1 < end, n_next);
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dot += (prev[i] - now[i]) * n[i];
+    dot = sum_over(dot, shift.dim / VEC);
+    if (active) {
+      if (c % shift.dim == 0) dlogits[t * dl_rs + h] = static_cast<T>(dot * a * (1.f - a));
+      float d[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        d[i] = shift_input_grad(a, n[i], has_next ? a_next : 0.f, has_next ? n_next[i] : 0.f);
+      store(dcur + t * dc_rs + c, d);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      prev[i] = next_prev[i];
+      now[i] = next[i];
+      n[i] = n_next[i];
+    }
+    a = a_next;
+  }
+  if (barriers) __syncthreads();  // the last sum's buffer, before the weight gradient's
   if (dw_partial) store_weight_grad_partial(dw, C, c, dw_partial);
 }
 
@@ -1159,7 +1175,6 @@ void shift_norm_backward(const at::Tensor& dy, const at::Tensor& cur, const at::
     FOX_VEC_SWITCH(vec, [&] {
       auto kernel = shift_norm_backward_kernel<scalar_t, VEC>;
       auto L = row_launch(rows, C, vec);
-      L.smem *= 2;  // group_sums' buffer holds two values a thread
       float* dw_partial = dweight.defined() ? dw.fit(kernel, L, C, cur.options()) : nullptr;
       kernel<<<L.grid, L.block, L.smem, stream>>>(
           dy.data_ptr<scalar_t>(), dy.stride(0), cur.data_ptr<scalar_t>(), cur.stride(0), shift,
