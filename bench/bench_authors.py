@@ -22,10 +22,10 @@ the eager steps'). Peak memory:
 the largest allocation during a step with the gradients of the step before still held, and from
 zero gradients (optimizer state aside).
 
-Their step's speed depends on the process: at B=4, T=4096 their FoX (Pro) ran at 140-212k tokens/s
-over nine processes (Triton's autotuner picks other configurations for their norm, gate and
-token-shift kernels in each), ours within 3%. Run several processes and read the ratios against
-their spread (bench/NOTES.md, "Against the authors' implementation").
+Their eager step's speed depends on the process: at B=4, T=4096 their FoX (Pro) ran at 134-212k
+tokens/s over a dozen processes, ours within 3%; graphed, theirs runs at 253-255k in every
+process: their eager step waits on its host. The graphed column is the comparison of the two
+GPUs' work (bench/NOTES.md, "Against the authors' implementation").
 """
 import argparse
 import importlib
