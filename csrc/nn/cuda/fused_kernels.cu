@@ -59,11 +59,6 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pk;
 }
 
-// The sums of each value[n] over each run of `per_group` consecutive threads of this block row, in
-// a fixed order (N values a thread: N rows of a row kernel). Whole warps: shuffles, then the
-// group's warp totals; a power of two within a warp: shuffles; otherwise through shared memory
-// (N x the block's threads floats). One call per kernel, or a barrier between calls (the buffer is
-// written again).
 // Whether group_sums over runs of `per_group` threads takes shuffles alone: then it uses no shared
 // memory and no barrier, and a kernel that walks block rows needs no barrier between them (its
 // warps walk on without waiting for each other: H200, the per-head norms' backward 30 -> 28 us
@@ -72,6 +67,11 @@ __device__ __forceinline__ bool group_sums_by_shuffles(int per_group) {
   return per_group % kWarp != 0 && kWarp % per_group == 0 && (blockDim.x * blockDim.y) % kWarp == 0;
 }
 
+// The sums of each value[n] over each run of `per_group` consecutive threads of this block row, in
+// a fixed order (N values a thread: N rows of a row kernel). Whole warps: shuffles, then the
+// group's warp totals; a power of two within a warp: shuffles; otherwise through shared memory
+// (N x the block's threads floats). One call per kernel, or a barrier between calls (the buffer is
+// written again) unless group_sums_by_shuffles.
 template <int N>
 __device__ __forceinline__ void group_sums(float (&value)[N], int per_group) {
   extern __shared__ float partial[];
