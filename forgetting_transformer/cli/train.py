@@ -541,6 +541,11 @@ def train(cfg, resume: bool = False, corpus: Optional[ByteCorpus] = None, quiet:
 
 
 def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, autocast, ddp):
+    if cfg.get("cuda_graph"):  # before anything is written
+        if device.type != "cuda":
+            raise SystemExit("--cuda-graph needs a CUDA device (--device cuda)")
+        if ddp.enabled:
+            raise SystemExit("--cuda-graph runs in one process (not under torchrun)")
     main = ddp.main
     existing = latest_checkpoint(out_dir)
     ddp.barrier()          # every rank has looked before rank 0 may create anything
@@ -645,11 +650,6 @@ def _train(cfg, resume, corpus, quiet, stop_at, out_dir, metrics_path, device, a
     for m in models.values():
         m.train()
     graphs = {}  # per model, made at the first step (--cuda-graph)
-    if cfg.get("cuda_graph"):
-        if device.type != "cuda":
-            raise SystemExit("--cuda-graph needs a CUDA device (--device cuda)")
-        if ddp.enabled:
-            raise SystemExit("--cuda-graph runs in one process (not under torchrun)")
 
     def micro_batch_step(a, x, y, n_valid, last_one):
         """The loss of micro-batch (x, y) of model a, its gradients added to the step's."""

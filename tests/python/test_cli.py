@@ -252,7 +252,9 @@ def test_checkpoint_activations_trains_the_same(micro_run, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is on a machine without CUDA")
 def test_cuda_graph_needs_cuda(tmp_path):
     with pytest.raises(SystemExit, match="--cuda-graph needs a CUDA device"):
-        cli.main(["train", *MICRO, "--steps", "1", "--cuda-graph", "--out-dir", str(tmp_path)])
+        cli.main(["train", *MICRO, "--steps", "1", "--cuda-graph", "--out-dir",
+                  str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.cuda

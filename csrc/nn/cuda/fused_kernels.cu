@@ -403,7 +403,7 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
 // the norm's input gradient at t and t + 1 (the shift's backward), and the shifted row t + 1 needs
 // cur at t: each thread-row walks a run of consecutive rows and carries row t + 1's cur and norm
 // gradient into the next step, so that every row is loaded and normed once (the shift's
-// neighbours from registers). Every value is rounded as rms_norm_backward_kernel and
+// neighbours from registers; a run's last step loads and norms the next run's first row too). Every value is rounded as rms_norm_backward_kernel and
 // shift_mix_backward_kernel round it. The norm weight's gradient: each thread sums its run's rows
 // in order, the block its thread-rows in order (one row of dw_partial), the host the blocks in
 // order; with one row a run (small inputs) that is rms_norm_backward_kernel's grouping. Its
