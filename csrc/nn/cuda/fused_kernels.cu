@@ -28,6 +28,7 @@ using fox::cuda::launch_dependent;
 using fox::cuda::wait_for_previous_kernel;
 
 constexpr int kWarp = 32;
+constexpr int kMaxRowThreads = 1024;  // a row kernel's block: one row's channels at most
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
 
@@ -45,10 +46,19 @@ struct alignas(sizeof(T) * N) Pack {
 };
 
 template <int N, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void unpack(const Pack<T, N>& pk, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = static_cast<float>(pk.v[i]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  unpack(load_pack<N>(p), out);
 }
 
 template <int N, typename T>
@@ -96,10 +106,9 @@ __device__ __forceinline__ void group_sums(float (&value)[N], int per_group) {
     return;
   }
   if (group_sums_by_shuffles(per_group)) {
+    for (int o = per_group / 2; o > 0; o /= 2) {  // the N values' butterflies side by side
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-      for (int o = per_group / 2; o > 0; o /= 2)
-        value[n] += __shfl_xor_sync(0xffffffffu, value[n], o);
+      for (int n = 0; n < N; ++n) value[n] += __shfl_xor_sync(0xffffffffu, value[n], o);
     }
     return;
   }
@@ -198,24 +207,47 @@ __global__ void rms_norm_forward_kernel(const in_t* __restrict__ x, int64_t x_rs
   allow_next_kernel();
   const int64_t first = int64_t(blockIdx.x) * ROWS * blockDim.y + threadIdx.y;
   const int c = threadIdx.x * VEC;
-  float v[ROWS][VEC] = {};
+  // All ROWS rows' loads are issued before any of them is used, with no branch between them: a
+  // row past the end loads the last row instead (its results are not stored). Loads guarded row
+  // by row left one row in flight a thread (the conversion of one row waited before the next
+  // row's load was issued).
+  int64_t at[ROWS];
+#pragma unroll
+  for (int n = 0; n < ROWS; ++n) at[n] = min(first + int64_t(n) * blockDim.y, rows - 1);
+  Pack<in_t, VEC> xs[ROWS];
+#pragma unroll
+  for (int n = 0; n < ROWS; ++n) xs[n] = load_pack<VEC>(x + at[n] * x_rs + c);
+  [[maybe_unused]] Pack<in_t, VEC> before[ROWS];  // kShift: row t - 1 (row t at a sequence's start)
+  [[maybe_unused]] in_t logit[ROWS];
+  if constexpr (kShift) {
+#pragma unroll
+    for (int n = 0; n < ROWS; ++n) {
+      logit[n] = shift.logits[at[n] * shift.lg_rs + c / shift.dim];
+      before[n] = load_pack<VEC>(x + (at[n] - (shift.position(at[n]) > 0)) * x_rs + c);
+    }
+  }
+  Pack<d_t, VEC> ds[ROWS];
+  if (delta) {
+#pragma unroll
+    for (int n = 0; n < ROWS; ++n) ds[n] = load_pack<VEC>(delta + at[n] * d_rs + c);
+  }
+  float v[ROWS][VEC];
 #pragma unroll
   for (int n = 0; n < ROWS; ++n) {
-    const int64_t row = first + int64_t(n) * blockDim.y;
-    if (row >= rows) break;
-    load(x + row * x_rs + c, v[n]);
+    unpack(xs[n], v[n]);
     if constexpr (kShift) {
-      const float a =
-          sigmoidf(static_cast<float>(shift.logits[row * shift.lg_rs + c / shift.dim]));
-      float prev[VEC] = {};
-      if (shift.position(row) > 0) load(x + (row - 1) * x_rs + c, prev);
+      const float a = sigmoidf(static_cast<float>(logit[n]));
+      const bool starts = shift.position(at[n]) == 0;
+      float prev[VEC];
+      unpack(before[n], prev);
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
-        v[n][i] = static_cast<float>(static_cast<in_t>(shift_value(a, prev[i], v[n][i])));
+        v[n][i] = static_cast<float>(
+            static_cast<in_t>(shift_value(a, starts ? 0.f : prev[i], v[n][i])));
     }
     if (delta) {
       float d[VEC];
-      load(delta + row * d_rs + c, d);
+      unpack(ds[n], d);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[n][i] = static_cast<float>(static_cast<in_t>(v[n][i] + d[i]));
     }
@@ -268,52 +300,85 @@ __device__ __forceinline__ void store_weight_grad_partial(float (&dw)[VEC], int 
 // order, and writes its block's sums (its block rows added in order); the host adds the blocks'
 // rows in order. Without it a block takes one block row. A float32 x (the residual stream) has
 // dsum loaded with x and dy, so that a block row waits for memory once; 16-bit rows load it after
-// the sum (loaded early its registers would cost the per-head norms a block an SM).
+// the sum (loaded early its registers would cost the per-head norms a block an SM). 16-bit rows go
+// two a step (a walk's rows k and k + 1, or two block rows), their loads issued together and
+// summed in the walk's order, so that two rows a thread are in flight; float32 rows (the residual
+// stream, at the bandwidth with one) one. At most 64 registers (the bound of 1024 threads a
+// block): two rows took 96 and three blocks an SM, which is no more rows in flight than one row
+// in six blocks (H200, 16384 rows of 768 bf16, per-head groups: 29 -> 23 us a call).
 template <typename in_t, typename grad_t, int VEC, typename d_t = in_t>
-__global__ void rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
-                                         const in_t* __restrict__ x, int64_t x_rs,
-                                         const float* __restrict__ w,
-                                         const float* __restrict__ rstd, in_t* __restrict__ dx,
-                                         int64_t dx_rs, int64_t rows, int C, int G,
-                                         const in_t* __restrict__ dsum = nullptr,
-                                         int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
-                                         float* __restrict__ dw_partial = nullptr) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+    rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
+                             const in_t* __restrict__ x, int64_t x_rs, const float* __restrict__ w,
+                             const float* __restrict__ rstd, in_t* __restrict__ dx, int64_t dx_rs,
+                             int64_t rows, int C, int G, const in_t* __restrict__ dsum = nullptr,
+                             int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
+                             float* __restrict__ dw_partial = nullptr) {
   constexpr bool kEarlyDsum = sizeof(in_t) == 4;
+  constexpr int R = kEarlyDsum ? 1 : 2;  // rows a thread takes a step
   const int c = threadIdx.x * VEC;
+  // A thread's R rows of a step: a walk's next R block rows, or without the weight's gradient
+  // its block's R block rows.
+  const int64_t gap = dw_partial ? int64_t(gridDim.x) * blockDim.y : int64_t(blockDim.y);
   float dw[VEC] = {};
-  for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < rows;
-       first += int64_t(gridDim.x) * blockDim.y) {
-    const int64_t row = first + threadIdx.y;
-    const bool active = row < rows;
-    float xv[VEC] = {}, g[VEC] = {}, ds[VEC] = {};
-    float r = 0.f;
-    if (active) {
-      load(x + row * x_rs + c, xv);
-      load(dy + row * dy_rs + c, g);
-      r = rstd[row * (C / G) + c / G];
-      if (kEarlyDsum && dsum) load(dsum + row * ds_rs + c, ds);
+  for (int64_t first = int64_t(blockIdx.x) * (dw_partial ? 1 : R) * blockDim.y; first < rows;
+       first += R * gap) {
+    int64_t row[R], at[R];
+#pragma unroll
+    for (int n = 0; n < R; ++n) {
+      row[n] = first + n * gap + threadIdx.y;
+      at[n] = min(row[n], rows - 1);  // loads without a branch; a row past the end is not stored
     }
-    float dot = 0.f;
+    Pack<in_t, VEC> xs[R];
+    Pack<grad_t, VEC> gs[R];
+    [[maybe_unused]] Pack<in_t, VEC> early[R];
+    float r[R];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      dw[i] += g[i] * xv[i] * r;  // zero on inactive rows
-      g[i] *= w ? w[c + i] : 1.f;
-      dot += g[i] * xv[i];
+    for (int n = 0; n < R; ++n) {
+      xs[n] = load_pack<VEC>(x + at[n] * x_rs + c);
+      gs[n] = load_pack<VEC>(dy + at[n] * dy_rs + c);
+      r[n] = rstd[at[n] * (C / G) + c / G];
     }
-    const float m = group_sum(dot, G / VEC) * r / G;  // mean(w dy xhat)
-    if (active) {
+    if (kEarlyDsum && dsum) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) g[i] = norm_input_grad(r, g[i], xv[i], m);
-      if (dsum) {
-        if (!kEarlyDsum) load(dsum + row * ds_rs + c, ds);
+      for (int n = 0; n < R; ++n) early[n] = load_pack<VEC>(dsum + at[n] * ds_rs + c);
+    }
+    float xv[R][VEC], g[R][VEC], dot[R];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) g[i] = static_cast<float>(static_cast<in_t>(g[i])) + ds[i];
+    for (int n = 0; n < R; ++n) {
+      unpack(xs[n], xv[n]);
+      unpack(gs[n], g[n]);
+      dot[n] = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if (row[n] < rows) dw[i] += g[n][i] * xv[n][i] * r[n];
+        g[n][i] *= w ? w[c + i] : 1.f;
+        dot[n] += g[n][i] * xv[n][i];
       }
-      store(dx + row * dx_rs + c, g);
-      if (dx_cast) store(dx_cast + row * C + c, g);
     }
-    if (!dw_partial) return;  // one block row per block
-    // group_sum's buffer is written again for the next block row
+    group_sums(dot, G / VEC);
+#pragma unroll
+    for (int n = 0; n < R; ++n) {
+      if (row[n] >= rows) break;
+      const float m = dot[n] * r[n] / G;  // mean(w dy xhat)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) g[n][i] = norm_input_grad(r[n], g[n][i], xv[n][i], m);
+      if (dsum) {
+        float ds[VEC];
+        if constexpr (kEarlyDsum) {
+          unpack(early[n], ds);
+        } else {
+          load(dsum + row[n] * ds_rs + c, ds);
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          g[n][i] = static_cast<float>(static_cast<in_t>(g[n][i])) + ds[i];
+      }
+      store(dx + row[n] * dx_rs + c, g[n]);
+      if (dx_cast) store(dx_cast + row[n] * C + c, g[n]);
+    }
+    if (!dw_partial) return;  // one step per block
+    // group_sums' buffer is written again in the next step
     if (!group_sums_by_shuffles(G / VEC)) __syncthreads();
   }
   store_weight_grad_partial(dw, C, c, dw_partial);
@@ -832,8 +897,6 @@ T* optional_mut(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
-constexpr int kMaxRowThreads = 1024;
-
 // Threads (x: one row's VEC-channel slices; y: rows) and shared memory of a row-kernel block.
 struct RowLaunch {
   dim3 grid, block;
@@ -919,7 +982,8 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, int64_t gro
               "delta's dtype");
   const int vec = checked_width(C, group, {x, y, delta, sum});
   // Rows a thread (H200, 16384 rows of 768): 4 for one dtype (bf16 per-head norms 21 -> 19 us a
-  // call), 1 for a float32 stream plus a 16-bit branch (4 rows: 40 -> 43 us).
+  // call with one row in flight, 17 with all four), 1 for a float32 stream plus a 16-bit branch
+  // (4 rows: 40 -> 43 us).
   constexpr int kRows = 4, kMixedRows = 1;
   auto stream = at::cuda::getCurrentCUDAStream();
   // The weight is read in its own dtype: float32, or x's (a bf16 model's norms, without a
@@ -1022,9 +1086,13 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
   const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
   WeightGradPartials dw;
+  // Rows a thread takes a step: the kernel's R (two for 16-bit x, one for float32).
+  const int rows_a_step = x.scalar_type() == at::kFloat ? 1 : 2;
   auto launch = [&](auto kernel, auto* dy_p, auto* x_p, auto* dx_p, auto* dsum_p, auto* cast_p) {
-    auto L = row_launch(rows, C, vec);
-    // With the weight's gradient: walking blocks (without, a block takes one block row).
+    auto L = row_launch(rows, C, vec, rows_a_step);
+    // With the weight's gradient: walking blocks, at most one a block row (the walk's sum order
+    // does not depend on the rows a step); without, a block takes one step.
+    if (dweight.defined()) L.grid.x = unsigned(blocks_for(rows, int(L.block.y)));
     float* dw_partial = dweight.defined() ? dw.fit(kernel, L, C, x.options()) : nullptr;
     kernel<<<L.grid, L.block, L.smem, stream>>>(
         dy_p, dy.stride(0), x_p, x.stride(0), optional_float(weight), rstd.data_ptr<float>(), dx_p,
@@ -1118,8 +1186,8 @@ void shift_norm_forward(const at::Tensor& cur, const at::Tensor& logits, int64_t
   TORCH_CHECK(!weight.defined() || weight.scalar_type() == at::kFloat ||
                   weight.scalar_type() == cur.scalar_type(),
               "shift_norm_forward: weight must be float32 or cur's dtype");
-  // Four rows a thread, as the per-head norms (H200, 16384 rows of 768 bf16: 26 us a call
-  // against 28 with two rows and 30 with one; the two kernels it replaces took ~39).
+  // Four rows a thread, as the per-head norms (H200, 16384 rows of 768 bf16: 25 us a call with
+  // their loads in flight together, 28 one row at a time; the two kernels it replaces took ~39).
   constexpr int kRows = 4;
   const auto L = row_launch(rows, C, vec, kRows);
   auto stream = at::cuda::getCurrentCUDAStream();
