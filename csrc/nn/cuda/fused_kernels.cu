@@ -387,6 +387,22 @@ __global__ void __launch_bounds__(kMaxRowThreads)
 // ---- KV-shift -------------------------------------------------------------------------------------
 // Row (b, t): out = a * prev + (1 - a) * cur with a = sigmoid(logit of the thread's head).
 
+// A row's sequence and position: in 32-bit divisions where the row index fits (a 64-bit division
+// is a long instruction sequence).
+__device__ __forceinline__ void sequence_and_position(int64_t row, int64_t T_, int64_t& b,
+                                                      int64_t& t) {
+  if (row <= int64_t(UINT32_MAX) && T_ <= int64_t(UINT32_MAX)) {
+    b = uint32_t(row) / uint32_t(T_);
+    t = uint32_t(row) % uint32_t(T_);
+  } else {
+    b = row / T_;
+    t = row % T_;
+  }
+}
+
+// The shift kernels load a row's inputs without a branch between them (a neighbour that does not
+// exist is read from the row itself and zeroed after), so that they are in flight together.
+
 // With `last` (B, C): row T-1 of cur is also written there (the next step's `first`; it may be
 // `first` itself when T = 1: each thread reads its slice of it before writing that slice).
 template <typename T, int VEC>
@@ -398,19 +414,19 @@ __global__ void shift_mix_forward_kernel(const T* __restrict__ cur, int64_t cur_
   allow_next_kernel();
   const int64_t row = block_row();
   if (row >= B * T_) return;
-  const int64_t b = row / T_, t = row % T_;
+  int64_t b, t;
+  sequence_and_position(row, T_, b, t);
   const int c = threadIdx.x * VEC;
+  const T* now_p = cur + b * cur_bs + t * cur_ts + c;
+  const T* prev_p = t > 0 ? now_p - cur_ts : first ? first + b * C + c : now_p;
+  const bool no_prev = t == 0 && !first;
   const float a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + c / D]));
-  float now[VEC], prev[VEC] = {};
-  load(cur + b * cur_bs + t * cur_ts + c, now);
-  if (t > 0) {
-    load(cur + b * cur_bs + (t - 1) * cur_ts + c, prev);
-  } else if (first) {
-    load(first + b * C + c, prev);
-  }
+  float now[VEC], prev[VEC];
+  load(now_p, now);
+  load(prev_p, prev);
   if (last && t == T_ - 1) store(last + b * C + c, now);
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) now[i] = shift_value(a, prev[i], now[i]);
+  for (int i = 0; i < VEC; ++i) now[i] = shift_value(a, no_prev ? 0.f : prev[i], now[i]);
   store(out + row * C + c, now);
 }
 
@@ -425,30 +441,28 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
                                           T* __restrict__ dlogits, int64_t dl_bs, int64_t dl_ts,
                                           T* __restrict__ dfirst, int64_t B, int64_t T_, int C,
                                           int D) {
-  const int64_t row = block_row();
-  const bool active = row < B * T_;
-  const int64_t b = row / T_, t = row % T_;
+  const bool active = block_row() < B * T_;
+  const int64_t row = active ? block_row() : B * T_ - 1;  // loads the last row; nothing stored
+  int64_t b, t;
+  sequence_and_position(row, T_, b, t);
   const int c = threadIdx.x * VEC, h = c / D;
   const bool has_next = t + 1 < T_;
-  float g[VEC] = {}, g_next[VEC] = {}, now[VEC] = {}, prev[VEC] = {};
-  float a = 0.f, a_next = 0.f;
-  if (active) {
-    a = sigmoidf(static_cast<float>(logits[b * lg_bs + t * lg_ts + h]));
-    load(dout + row * C + c, g);
-    load(cur + b * cur_bs + t * cur_ts + c, now);
-    if (t > 0) {
-      load(cur + b * cur_bs + (t - 1) * cur_ts + c, prev);
-    } else if (first) {
-      load(first + b * C + c, prev);
-    }
-    if (has_next) {
-      a_next = sigmoidf(static_cast<float>(logits[b * lg_bs + (t + 1) * lg_ts + h]));
-      load(dout + (row + 1) * C + c, g_next);
-    }
-  }
+  const T* now_p = cur + b * cur_bs + t * cur_ts + c;
+  const T* prev_p = t > 0 ? now_p - cur_ts : first ? first + b * C + c : now_p;
+  const bool no_prev = t == 0 && !first;
+  const int64_t next = has_next ? 1 : 0;  // the next row, or the row itself
+  float g[VEC], g_next[VEC], now[VEC], prev[VEC];
+  const T logit = logits[b * lg_bs + t * lg_ts + h];
+  const T logit_next = logits[b * lg_bs + (t + next) * lg_ts + h];
+  load(dout + row * C + c, g);
+  load(now_p, now);
+  load(prev_p, prev);
+  load(dout + (row + next) * C + c, g_next);
+  const float a = sigmoidf(static_cast<float>(logit));
+  const float a_next = has_next ? sigmoidf(static_cast<float>(logit_next)) : 0.f;
   float dot = 0.f;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) dot += (prev[i] - now[i]) * g[i];
+  for (int i = 0; i < VEC; ++i) dot += ((no_prev ? 0.f : prev[i]) - now[i]) * g[i];
   dot = group_sum(dot, D / VEC);
   if (!active) return;
   if (c % D == 0) dlogits[b * dl_bs + t * dl_ts + h] = static_cast<T>(dot * a * (1.f - a));
@@ -459,7 +473,8 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
     store(dfirst + b * C + c, df);
   }
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) g[i] = shift_input_grad(a, g[i], a_next, g_next[i]);
+  for (int i = 0; i < VEC; ++i)
+    g[i] = shift_input_grad(a, g[i], a_next, has_next ? g_next[i] : 0.f);
   store(dcur + b * dc_bs + t * dc_ts + c, g);
 }
 
@@ -468,17 +483,26 @@ __global__ void shift_mix_backward_kernel(const T* __restrict__ dout, const T* _
 // the norm's input gradient at t and t + 1 (the shift's backward), and the shifted row t + 1 needs
 // cur at t: each thread-row walks a run of consecutive rows and carries row t + 1's cur and norm
 // gradient into the next step, so that every row is loaded and normed once (the shift's
-// neighbours from registers; a run's last step loads and norms the next run's first row too). Every value is rounded as rms_norm_backward_kernel and
-// shift_mix_backward_kernel round it. The norm weight's gradient: each thread sums its run's rows
-// in order, the block its thread-rows in order (one row of dw_partial), the host the blocks in
-// order; with one row a run (small inputs) that is rms_norm_backward_kernel's grouping. Its
-// steps wait for memory one after another (H200, 16384 rows of 768 bf16: 52 us a call, against 54
-// for the form that strode over the rows and loaded and normed each row twice; the bound of 80
-// registers keeps four blocks an SM).
+// neighbours from registers; a run's last step loads and norms the next run's first row too).
+// Each step requests the inputs of the row after next, so that a step waits for no load issued
+// in it (H200, 16384 rows of 768 bf16: 45 us a call, against 52 with each step's own row loaded
+// in it and 54 for the form that strode over the rows and loaded and normed each row twice).
+// Every value is rounded as rms_norm_backward_kernel and shift_mix_backward_kernel round it. The
+// norm weight's gradient: each thread sums its run's rows in order, the block its thread-rows in
+// order (one row of dw_partial), the host the blocks in order; with one row a run (small inputs)
+// that is rms_norm_backward_kernel's grouping.
 constexpr int kShiftNormThreads = 256;
 constexpr int64_t kShiftNormMaxRows = int64_t(1) << 31;  // positions in 32 bits
+// At most 112 registers: three blocks of 192 threads an SM, no spills (at 80, four blocks, the
+// inputs requested a step ahead spilled: ~60 us a call). CUDA before 12.4 has no
+// __maxnreg__: two blocks of 256 threads.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12040
+#define FOX_SHIFT_NORM_BACKWARD_BOUNDS __maxnreg__(112)
+#else
+#define FOX_SHIFT_NORM_BACKWARD_BOUNDS __launch_bounds__(kShiftNormThreads, 2)
+#endif
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kShiftNormThreads, 3)
+__global__ void FOX_SHIFT_NORM_BACKWARD_BOUNDS
     shift_norm_backward_kernel(const T* __restrict__ dy, int64_t dy_rs, const T* __restrict__ cur,
                                int64_t cur_rs, ShiftSource<T> shift, const float* __restrict__ w,
                                const float* __restrict__ rstd, T* __restrict__ dcur, int64_t dc_rs,
@@ -491,72 +515,94 @@ __global__ void __launch_bounds__(kShiftNormThreads, 3)
     if (barriers) __syncthreads();  // the buffer of the sum before
     return group_sum(v, per_group);
   };
-  const int64_t runs = int64_t(gridDim.x) * blockDim.y;
-  const int64_t len = (rows + runs - 1) / runs;
-  const int64_t begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * len;
-  const int64_t end = begin + len < rows ? begin + len : rows;
+  // Rows in 32 bits (the launcher takes at most 2^31).
+  const int n_rows = int(rows);
+  const int runs = int(gridDim.x * blockDim.y);
+  const int len = (n_rows + runs - 1) / runs;
+  const int begin = int(blockIdx.x * blockDim.y + threadIdx.y) * len;
+  const int end = begin + len < n_rows ? begin + len : n_rows;
   float dw[VEC] = {};
-  // The norm's backward of row t whose shifted row is made from prev and now (zero where the row
-  // does not exist): its input gradient n rounded to T, its shift weight returned; with `count`
-  // its part of the weight's gradient is added to dw.
-  auto norm_row = [&](int64_t t, bool exists, const float (&prev)[VEC], const float (&now)[VEC],
-                      bool count, float (&n)[VEC]) {
-    float g[VEC] = {}, x[VEC];
-    float a = 0.f, r = 0.f;
-    if (exists) {
-      load(dy + t * dy_rs + c, g);
-      a = sigmoidf(static_cast<float>(shift.logits[t * shift.lg_rs + h]));
-      r = rstd[t * (C / G) + c / G];
-    }
+  // A row's inputs, requested a step before the step that uses them (a row past the end loads
+  // the last row instead, without a branch; nothing of it is kept).
+  struct Inputs {
+    Pack<T, VEC> cur, dy;
+    T logit;
+    float r;
+  };
+  auto fetch = [&](int t) {
+    const int64_t at = t < n_rows ? t : n_rows - 1;
+    return Inputs{load_pack<VEC>(cur + at * cur_rs + c), load_pack<VEC>(dy + at * dy_rs + c),
+                  shift.logits[at * shift.lg_rs + h], rstd[at * (C / G) + c / G]};
+  };
+  // The backward of a row whose shifted row is made from prev and now (zero where the row does not
+  // exist): the norm's input gradient n rounded to T, the row's shift weight a, and the sum of
+  // (prev - now) n over its shift head (the shift logit's gradient is that times a (1 - a)); with
+  // `count` its part of the norm weight's gradient is added to dw. Rows are held in T (cur's rows
+  // and n are values of T): half the registers of float32.
+  auto row_backward = [&](bool exists, const Pack<T, VEC>& prev_p, const Pack<T, VEC>& now_p,
+                          const Inputs& in, bool count, Pack<T, VEC>& n, float& a, float& mix) {
+    float g[VEC], prev[VEC], now[VEC], x[VEC];
+    unpack(in.dy, g);
+    unpack(prev_p, prev);
+    unpack(now_p, now);
+    a = exists ? sigmoidf(static_cast<float>(in.logit)) : 0.f;
+    const float r = exists ? in.r : 0.f;
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
+      if (!exists) g[i] = 0.f;
       x[i] = static_cast<float>(static_cast<T>(shift_value(a, prev[i], now[i])));
-      if (count) dw[i] += g[i] * x[i] * r;
+      if (count && exists) dw[i] += g[i] * x[i] * r;
       g[i] *= w ? w[c + i] : 1.f;
       dot += g[i] * x[i];
     }
     const float m = sum_over(dot, G / VEC) * r / G;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i)
-      n[i] = static_cast<float>(static_cast<T>(norm_input_grad(r, g[i], x[i], m)));
-    return a;
-  };
-  // Row t's state: cur at t - 1 (zero at a sequence's start) and t, its norm gradient, its a.
-  float prev[VEC] = {}, now[VEC] = {}, n[VEC];
-  if (begin < rows) {
-    load(cur + begin * cur_rs + c, now);
-    if (shift.position(begin) > 0) load(cur + (begin - 1) * cur_rs + c, prev);
-  }
-  float a = norm_row(begin, begin < rows, prev, now, true, n);
-  for (int64_t t = begin; t < begin + len; ++t) {
-    const bool active = t < end;
-    const bool next_exists = active && t + 1 < rows;
-    const bool has_next = next_exists && shift.position(t + 1) > 0;  // the same sequence
-    float next[VEC] = {}, next_prev[VEC], n_next[VEC];
-    if (next_exists) load(cur + (t + 1) * cur_rs + c, next);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) next_prev[i] = has_next ? now[i] : 0.f;
-    const float a_next = norm_row(t + 1, next_exists, next_prev, next, t + 1 < end, n_next);
-    float dot = 0.f;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dot += (prev[i] - now[i]) * n[i];
-    dot = sum_over(dot, shift.dim / VEC);
-    if (active) {
-      if (c % shift.dim == 0) dlogits[t * dl_rs + h] = static_cast<T>(dot * a * (1.f - a));
-      float d[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i)
-        d[i] = shift_input_grad(a, n[i], has_next ? a_next : 0.f, has_next ? n_next[i] : 0.f);
-      store(dcur + t * dc_rs + c, d);
-    }
+    mix = 0.f;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      prev[i] = next_prev[i];
-      now[i] = next[i];
-      n[i] = n_next[i];
+      n.v[i] = static_cast<T>(norm_input_grad(r, g[i], x[i], m));
+      mix += (prev[i] - now[i]) * static_cast<float>(n.v[i]);
     }
+    mix = sum_over(mix, shift.dim / VEC);
+  };
+  // Row t's state: cur at t, its norm gradient, a and mix; the inputs of row t + 1 (requested in
+  // the step before).
+  const Pack<T, VEC> zero{};
+  Pack<T, VEC> now, n;
+  float a, mix;
+  {
+    const Inputs first = fetch(begin);
+    Pack<T, VEC> prev = zero;
+    if (begin < n_rows && shift.position(begin) > 0)
+      prev = load_pack<VEC>(cur + int64_t(begin - 1) * cur_rs + c);
+    now = first.cur;
+    row_backward(begin < n_rows, prev, now, first, true, n, a, mix);
+  }
+  Inputs in_next = fetch(begin + 1);
+  for (int t = begin; t < begin + len; ++t) {
+    const bool active = t < end;
+    const bool next_exists = active && t + 1 < n_rows;
+    const bool has_next = next_exists && shift.position(t + 1) > 0;  // the same sequence
+    const Inputs in_after = fetch(t + 2);  // in flight while this step computes
+    Pack<T, VEC> n_next;
+    float a_next, mix_next;
+    row_backward(next_exists, has_next ? now : zero, in_next.cur, in_next, t + 1 < end, n_next,
+                 a_next, mix_next);
+    if (active) {
+      if (c % shift.dim == 0) dlogits[int64_t(t) * dl_rs + h] = static_cast<T>(mix * a * (1.f - a));
+      float d[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        d[i] = shift_input_grad(a, static_cast<float>(n.v[i]), has_next ? a_next : 0.f,
+                                has_next ? static_cast<float>(n_next.v[i]) : 0.f);
+      }
+      store(dcur + int64_t(t) * dc_rs + c, d);
+    }
+    now = in_next.cur;
+    n = n_next;
     a = a_next;
+    mix = mix_next;
+    in_next = in_after;
   }
   if (barriers) __syncthreads();  // the last sum's buffer, before the weight gradient's
   if (dw_partial) store_weight_grad_partial(dw, C, c, dw_partial);
