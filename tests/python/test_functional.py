@@ -68,6 +68,21 @@ def test_rms_norm(device, dtype, group, offset, T):
           [wide, w], dtype, torch.randn(B, T, C, device=device), ["dx", "dweight"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("offset", [0, 5])
+def test_rms_norm_input_gradient_alone(device, dtype, weighted, offset):
+    """x's gradient without the weight's (no weight, or one that needs no gradient): on CUDA the
+    backward's blocks then take one step each, 16-bit rows two block rows a thread, no walk."""
+    B, T, C, group = 2, 3001, 192, 64
+    wide = torch.randn(B, T, C + 40, device=device).to(dtype)
+    w = 1 + 0.3 * torch.randn(C, device=device) if weighted else None
+    w_ref = w if weighted else torch.ones(C, device=device)
+    check(lambda xw: fused.rms_norm(xw[..., offset:offset + C], w, group, 1e-5),
+          lambda xw, cd: ref_rms_norm(xw[..., offset:offset + C], w_ref, group, 1e-5, cd),
+          [wide], dtype, torch.randn(B, T, C, device=device), ["dx"])
+
+
 def test_rms_norm_without_weight_and_autocast_dtype(device):
     x = torch.randn(3, 5, 64, device=device)
     y = fused.rms_norm(x, None, 32, 1e-6)
