@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numeric>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/Dispatch.h>
@@ -310,6 +311,9 @@ __device__ __forceinline__ void store_weight_grad_partial(float (&dw)[VEC], int 
 // stream, at the bandwidth with one) one. At most 64 registers (the bound of 1024 threads a
 // block): two rows took 96 and three blocks an SM, which is no more rows in flight than one row
 // in six blocks (H200, 16384 rows of 768 bf16, per-head groups: 29 -> 23 us a call).
+template <typename in_t>
+constexpr int kNormBackwardRows = sizeof(in_t) == 4 ? 1 : 2;  // rows a thread takes a step
+
 template <typename in_t, typename grad_t, int VEC, typename d_t = in_t>
 __global__ void __launch_bounds__(kMaxRowThreads)
     rms_norm_backward_kernel(const grad_t* __restrict__ dy, int64_t dy_rs,
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(kMaxRowThreads)
                              int64_t ds_rs = 0, d_t* __restrict__ dx_cast = nullptr,
                              float* __restrict__ dw_partial = nullptr) {
   constexpr bool kEarlyDsum = sizeof(in_t) == 4;
-  constexpr int R = kEarlyDsum ? 1 : 2;  // rows a thread takes a step
+  constexpr int R = kNormBackwardRows<in_t>;
   const int c = threadIdx.x * VEC;
   // A thread's R rows of a step: a walk's next R block rows, or without the weight's gradient
   // its block's R block rows.
@@ -1136,10 +1140,9 @@ void rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
   const int vec = checked_width(C, group, {x, dy, dx, dsum, dx_cast});
   const int64_t ds_rs = dsum.defined() ? dsum.stride(0) : 0;
   WeightGradPartials dw;
-  // Rows a thread takes a step: the kernel's R (two for 16-bit x, one for float32).
-  const int rows_a_step = x.scalar_type() == at::kFloat ? 1 : 2;
   auto launch = [&](auto kernel, auto* dy_p, auto* x_p, auto* dx_p, auto* dsum_p, auto* cast_p) {
-    auto L = row_launch(rows, C, vec, rows_a_step);
+    using in_t = std::remove_const_t<std::remove_pointer_t<decltype(x_p)>>;
+    auto L = row_launch(rows, C, vec, kNormBackwardRows<in_t>);  // the kernel's rows a step
     // With the weight's gradient: walking blocks, at most one a block row (the walk's sum order
     // does not depend on the rows a step); without, a block takes one step.
     if (dweight.defined()) L.grid.x = unsigned(blocks_for(rows, int(L.block.y)));
