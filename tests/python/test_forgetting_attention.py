@@ -576,7 +576,7 @@ def test_fused_backward_last_blocks_walk_down(monkeypatch, D):
     so the walks down did run. The fast-forgetting half of the heads (log f down to -20) tests C
     near the keys of a walk that starts 2k positions above them (sums of ~10^4 there)."""
     torch.manual_seed(0)
-    B, N, H = (2, 2048, 16) if D == 128 else (2, 2048, 32)
+    B, N, H = (4, 2048, 16) if D == 128 else (2, 2048, 32)
     q, k, v, g = make_inputs(B=B, Tq=N, H=H, D=D, dtype=torch.bfloat16, device="cuda",
                              regime="mixed")
     grad_out = torch.randn(q.shape, device="cuda").to(q.dtype)

@@ -114,8 +114,9 @@ __device__ __forceinline__ HeadPointers<T> head_pointers(const ForwardParams& p,
 // L2 while the section runs; inside a section the tiles of most work come first for every row
 // (rank 0 = the longest walk), so that a section's short walks run beside the next section's long
 // ones and the shortest walks of the last section make the tail. One row per section is the
-// order of (row, tile), tile fastest. Blocks per key tile (dK/dV, walking query tiles): 8 MB; on
-// an H200 4 MB measured slower and 32 MB gained at one size only (bench/NOTES.md, version 39).
+// order of (row, tile), tile fastest. Blocks per key tile (dK/dV, walking query tiles): 8 MB at
+// head dim 64 (on an H200 4 MB measured slower and 32 MB gained at one size only, bench/NOTES.md
+// version 39), 16 MB at 128 in the Hopper kernel (key_block_section_bytes).
 // Blocks per query tile (forward, dQ, walking key tiles): 16 MB, -1% to -2% forward time at head
 // dim 64 against 8 MB and the same at 128 (version 91); both leave room in a 40 MB L2.
 struct TileOrder {
@@ -139,6 +140,13 @@ __host__ __device__ constexpr int64_t rows_per_section(int64_t rows, int64_t row
 // Bytes a dK/dV block's row walks (Q and dO of every head of the group, at 2 bytes an element).
 __host__ __device__ inline int64_t key_block_row_bytes(const ForwardParams& p) {
   return 4 * p.seqlen_q * p.head_dim * p.heads_per_kv_head();
+}
+// A section of the Hopper dK/dV kernel's blocks (128-key tiles, one block an SM): the same number
+// of blocks at either head dim (8 MB of Q and dO at 64, 16 MB at 128: 256 blocks without GQA, two
+// waves of 132 SMs). 8 MB at 128 too cost the D=128 backward 0.6-1.6% from N = 4k; 24 and 32 MB
+// cost 3% and 15% at 2k (bench/NOTES.md, version 97). The portable kernel keeps 8 MB.
+__host__ __device__ inline int64_t key_block_section_bytes(const ForwardParams& p) {
+  return kSectionBytesKeyBlocks * (p.head_dim > 64 ? p.head_dim / 64 : 1);
 }
 __device__ __forceinline__ TileOrder block_tile_order(int64_t rows, int64_t num_tiles, int64_t row_bytes,
                                                       int64_t section_bytes, int64_t b = blockIdx.x) {
@@ -198,9 +206,10 @@ struct KeyTile {
   bool walk_down = false;
 };
 __device__ __forceinline__ KeyTile block_key_tile(const ForwardParams& p, int64_t num_tiles, int block_n,
-                                                  bool last_first = false, int64_t down_from = INT64_MAX) {
+                                                  bool last_first = false, int64_t down_from = INT64_MAX,
+                                                  int64_t section_bytes = kSectionBytesKeyBlocks) {
   const TileOrder o = block_tile_order(p.batch * p.num_kv_heads, num_tiles, key_block_row_bytes(p),
-                                       kSectionBytesKeyBlocks);
+                                       section_bytes);
   const bool down = last_first && static_cast<int64_t>(blockIdx.x) >= down_from;
   const int64_t tile = last_first && !down ? num_tiles - 1 - o.rank : o.rank;
   const int64_t sequence = quotient32(o.row, p.num_kv_heads);

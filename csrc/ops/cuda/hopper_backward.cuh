@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const int warp_row0 = 64 * wg + 16 * (warp & 3);  // this warp's first key in the tile
 
   const bool in_turns = kFusedDq && ws.dq_turns != nullptr;
-  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns, down_from);
+  const KeyTile kt = block_key_tile(p, num_tiles, kBlockN, in_turns, down_from, key_block_section_bytes(p));
   const bool walk_down = kFusedDq && kt.walk_down;
   const SequenceView s = kt.s;
   // Positions inside the sequence in 32 bits (a sequence stays below 2^31 of them).
@@ -981,7 +981,7 @@ inline int64_t fused_down_from(const BackwardParams& p, int64_t key_tiles) {
   const int64_t rows = p.batch * p.num_kv_heads, blocks = rows * key_tiles;
   if (const char* forced = std::getenv("FOX_FUSED_WALK_DOWN"))  // read per call: tests set it
     return forced[0] == '1' ? 0 : blocks;
-  const int64_t per_section = rows_per_section(rows, key_block_row_bytes(p), kSectionBytesKeyBlocks);
+  const int64_t per_section = rows_per_section(rows, key_block_row_bytes(p), key_block_section_bytes(p));
   const int64_t first = (rows - 1) / per_section * per_section * key_tiles;
   static int sms[64] = {};
   int device = 0;
