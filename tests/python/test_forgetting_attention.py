@@ -105,6 +105,23 @@ def test_lengths(device, dtype, seqlen_q, seqlen_k):
                                          dtype=dtype, device=device))
 
 
+# A prefill whose last query tile holds 64 rows or fewer behind full 128-row tiles: on Hopper the
+# D=64 forward then runs its TMA walk, in which both warpgroups of every block walk, so the second
+# warpgroup of that last tile computes rows past the sequence (not stored). Padded and packed
+# (whose rows past a sequence are the next sequence's), with GQA, against the reference.
+@pytest.mark.parametrize("last_rows", [1, 40, 64, 65])
+def test_last_query_tile_of_few_rows(device, last_rows):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    T = 2 * 128 + last_rows
+    check_against_reference(*make_inputs(B=2, Tq=T, H=4, Hkv=2, D=64, dtype=dtype, device=device,
+                                         regime="mixed"))
+    lengths = [T, 128 + last_rows, 200]
+    q, k, v, g = make_inputs(B=1, Tq=sum(lengths), H=4, Hkv=2, D=64, dtype=dtype, device=device,
+                             regime="mixed")
+    cu_seqlens = index_tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device, torch.int32)
+    check_against_reference(q, k, v, g, cu_seqlens=cu_seqlens)
+
+
 # Queries offset from the keys (Tq < Tk) by 1, 40, 64, 65 and 127 positions past a 128-key tile:
 # where a query tile's rows end on its diagonal tile decides whether each of its two 64-row
 # halves needs that tile's first 64 keys only (the Hopper forwards then compute S and the

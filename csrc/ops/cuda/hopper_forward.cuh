@@ -614,12 +614,19 @@ constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
 // writes a partial result in fp32 with its log2-domain lse, merged by
 // generic::split_combine_kernel); num_tiles is then the number of chunks.
-template <typename T, int kHeadDim, bool kSplit>
+// kTmaWalk (prefill where the maps allow TMA and a query tile holds more than 64 rows): what the
+// general kernel decides per block is known when it compiles: the tiles come by TMA, the handoff
+// is decoupled and both warpgroups walk, also in a block of 64 queries or fewer (the last of a
+// sequence), whose second warpgroup then computes rows it does not store. Its tile loop loses the
+// branches on those values and the registers they held: the D=64 forward -3.8% to -4.8% (H200,
+// bench/NOTES.md version 98), the same bits.
+template <typename T, int kHeadDim, bool kSplit, bool kTmaWalk = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     forward_kernel(const ForwardParams p, const SplitKVParams split,
                    const float* __restrict__ suffix, int64_t num_tiles,
                    const __grid_constant__ TileMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!(kSplit && kTmaWalk), "split-KV decoding loads by cp.async");
   using Smem = ForwardSmem<kHeadDim>;
   using GmmaPV = typename Gmma<T, kHeadDim>::RS;
   constexpr int kDimChunks = kHeadDim / 8;  // 8-column chunks of O
@@ -651,19 +658,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     kt_lo = static_cast<int>(max64(kt_lo, chunk * split.tiles_per_split));
   }
   // A warpgroup whose rows all lie past the last query skips the math (decoding: one row).
-  const bool wg_live = 64 * wg < nq;
+  const bool wg_live = kTmaWalk || 64 * wg < nq;
   // Stage handoff. The tiles after the first come by bulk tensor copies that thread 0 issues
   // (TileHandoff::copy; T stays on cp.async) where the layout allows it: -17% forward time at D=64 against
   // cp.async by every thread. Decoupled (TileHandoff) at head dim 128 when both warpgroups hold
   // queries, the next tile requested while this warpgroup's S is computed (-13% with TMA; at head
   // dim 64, two blocks per SM, -1.2% to -2.4%: FOX_HOPPER_FWD_DECOUPLED_64); in decoding (one
   // live warpgroup) one barrier per tile: decoupling measured +13-16% there.
-  const bool use_tma = maps.enabled != 0;
+  const bool use_tma = kTmaWalk || maps.enabled != 0;
   constexpr bool kDecoupled = (kHeadDim > 64 || FOX_HOPPER_FWD_DECOUPLED_64) && !kSplit;
   // (at head dim 64 only with TMA: with cp.async decoupling measured +24%, version 20)
+  static_assert(!kTmaWalk || (kDecoupled && (kHeadDim == 64 || FOX_HOPPER_TMA_DECOUPLED)),
+                "kTmaWalk: a decoupled handoff with TMA");
   const TileHandoff handoff(
       base + Smem::kBytesTiles + Smem::kBytesT,
-      kDecoupled && nq > 64 && (kHeadDim > 64 ? !use_tma || FOX_HOPPER_TMA_DECOUPLED : use_tma), use_tma);
+      kTmaWalk || (kDecoupled && nq > 64 && (kHeadDim > 64 ? !use_tma || FOX_HOPPER_TMA_DECOUPLED : use_tma)),
+      use_tma);
   const int64_t kv_head = kv_head_of(p, h);
   __syncthreads();  // the initialized barriers, for every thread
   // T of the keys of the tile at j0 into shared memory (zeros past the end of the sequence).
@@ -1236,7 +1246,14 @@ void run_hopper_forward(const ForwardParams& p, float* workspace, int64_t max_le
       return;
     }
   }
+  // The TMA walk where the maps allow TMA and the query tiles are long enough for both warpgroups
+  // (shorter prefills keep one barrier a tile, version 20), unless the warp-specialised kernel
+  // took those calls above.
+  constexpr bool kTmaWalkBuilt = !(FOX_HOPPER_FWD_WS && (kHeadDim == 128 || FOX_HOPPER_FWD_WS_64)) &&
+                                 (kHeadDim == 64 ? FOX_HOPPER_FWD_DECOUPLED_64 : FOX_HOPPER_TMA_DECOUPLED) != 0;
   auto kernel = forward_kernel<T, kHeadDim, false>;
+  if constexpr (kTmaWalkBuilt)
+    if (maps.enabled && max_len_q > 64) kernel = forward_kernel<T, kHeadDim, false, true>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles, maps);
