@@ -429,8 +429,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   // Full query tiles come by TMA (Q and dO maps), a partial last one by cp.async. With TMA the
   // stage handoff is decoupled (the tiles are counted across the heads: `it`).
-  // Fused: the producer warp fills the stages (its lane 0's transaction and its 32 lanes' copies).
-  const bool use_tma = maps.enabled != 0;
+  // Fused: the producer warp fills the stages (its lane 0's transaction and its 32 lanes' copies),
+  // and the maps are there (run_hopper_backward fuses only with TMA): known when it compiles, the
+  // handoff's branches leave its tile loop (-0.3% to -1.0% backward time, bench/NOTES.md version 98).
+  const bool use_tma = kFusedDq || maps.enabled != 0;
   const TileHandoff handoff(base + Smem::kOffHandoff, use_tma && FOX_HOPPER_DKDV_DECOUPLED, use_tma,
                             kFusedDq ? 1 + 32 : -1);
   const int qt_begin = max(0, j0 - offset) / kQueries;
