@@ -614,12 +614,12 @@ constexpr int kMinBlocks = kHeadDim <= 64 ? FOX_HOPPER_FWD_MIN_BLOCKS_64 : 1;
 // kSplit: split-KV decoding (one query tile; one block per (sequence, head, chunk of key tiles)
 // writes a partial result in fp32 with its log2-domain lse, merged by
 // generic::split_combine_kernel); num_tiles is then the number of chunks.
-// kTmaWalk (prefill where the maps allow TMA and a query tile holds more than 64 rows): what the
-// general kernel decides per block is known when it compiles: the tiles come by TMA, the handoff
-// is decoupled and both warpgroups walk, also in a block of 64 queries or fewer (the last of a
-// sequence), whose second warpgroup then computes rows it does not store. Its tile loop loses the
-// branches on those values and the registers they held: the D=64 forward -3.8% to -4.8% (H200,
-// bench/NOTES.md version 98), the same bits.
+// kTmaWalk (prefill without pruning where the maps allow TMA and a query tile holds more than 64
+// rows): what the general kernel decides per block is known when it compiles: the tiles come by
+// TMA, the handoff is decoupled, both warpgroups walk, also in a block of 64 queries or fewer (the
+// last of a sequence), whose second warpgroup then computes rows it does not store, and no walk
+// stops early. Its tile loop loses the branches on those values and the registers they held: the
+// D=64 forward -4% to -5% (H200, bench/NOTES.md version 98), the same bits.
 template <typename T, int kHeadDim, bool kSplit, bool kTmaWalk = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
     forward_kernel(const ForwardParams p, const SplitKVParams split,
@@ -701,7 +701,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<kHeadDim>)
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) rq[hi] = anchor.query_term(T_, min64(a + row_of(hi), L));
   float carry = anchor.carry_at(kt_top);  // C of tile kt
-  const float prune_log2 = p.prune_threshold * kLog2e;
+  const float prune_log2 = kTmaWalk ? -INFINITY : p.prune_threshold * kLog2e;
   if (kt_hi < kt_top) {  // a chunk below the diagonal: C_{t-1} = C_t - T_t[t * 128] down to kt_hi
     float sum = 0.f;
     for (int u = kt_hi + 1 + lane; u <= kt_top; u += 32) sum += T_[static_cast<int64_t>(u) * kBlockN];
@@ -982,7 +982,9 @@ struct ForwardWsSmem {
   static constexpr size_t kAllocBytes = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
-template <typename T, int kHeadDim>
+// kPrune: whether walks may stop early (a pruning threshold); without, the test leaves its tile
+// loops when it compiles (-2% to -2.6% forward time at D=128, bench/NOTES.md version 98).
+template <typename T, int kHeadDim, bool kPrune>
 __global__ void __launch_bounds__(kWsThreads, 1)
     forward_kernel_ws(const ForwardParams p, const float* __restrict__ suffix, int64_t num_tiles,
                       int* __restrict__ tile_counter, const __grid_constant__ TileMaps maps,
@@ -996,7 +998,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   T* Qs = reinterpret_cast<T*>(base);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp_uniform(warp >> 2);
   const int64_t items = num_tiles * p.batch * p.num_heads;
-  const float prune_log2 = p.prune_threshold * kLog2e;
+  const float prune_log2 = kPrune ? p.prune_threshold * kLog2e : -INFINITY;
   unsigned char* tiles = base + Smem::kBytesQ;
   uint64_t* barriers = reinterpret_cast<uint64_t*>(tiles + Smem::Pipeline::kBytesTiles + Smem::Pipeline::kBytesT);
   const ForwardPipeline<T, kHeadDim> pipe(reinterpret_cast<T*>(tiles),
@@ -1233,7 +1235,8 @@ void run_hopper_forward(const ForwardParams& p, float* workspace, int64_t max_le
   const TileMaps maps = make_key_value_maps(p, std::is_same_v<T, __nv_bfloat16>, kBlockN);
   if constexpr (FOX_HOPPER_FWD_WS && (kHeadDim == 128 || FOX_HOPPER_FWD_WS_64)) {
     if (maps.enabled) {
-      auto kernel = forward_kernel_ws<T, kHeadDim>;
+      const bool prune = p.prune_threshold > -INFINITY;
+      auto kernel = prune ? forward_kernel_ws<T, kHeadDim, true> : forward_kernel_ws<T, kHeadDim, false>;
       constexpr size_t smem = ForwardWsSmem<T, kHeadDim>::kAllocBytes;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       int device = 0, sms = 0;
@@ -1246,14 +1249,15 @@ void run_hopper_forward(const ForwardParams& p, float* workspace, int64_t max_le
       return;
     }
   }
-  // The TMA walk where the maps allow TMA and the query tiles are long enough for both warpgroups
-  // (shorter prefills keep one barrier a tile, version 20), unless the warp-specialised kernel
-  // took those calls above.
+  // The TMA walk where the maps allow TMA, the query tiles are long enough for both warpgroups
+  // (shorter prefills keep one barrier a tile, version 20) and no walk may stop early, unless the
+  // warp-specialised kernel took those calls above.
   constexpr bool kTmaWalkBuilt = !(FOX_HOPPER_FWD_WS && (kHeadDim == 128 || FOX_HOPPER_FWD_WS_64)) &&
                                  (kHeadDim == 64 ? FOX_HOPPER_FWD_DECOUPLED_64 : FOX_HOPPER_TMA_DECOUPLED) != 0;
   auto kernel = forward_kernel<T, kHeadDim, false>;
   if constexpr (kTmaWalkBuilt)
-    if (maps.enabled && max_len_q > 64) kernel = forward_kernel<T, kHeadDim, false, true>;
+    if (maps.enabled && max_len_q > 64 && !(p.prune_threshold > -INFINITY))
+      kernel = forward_kernel<T, kHeadDim, false, true>;
   constexpr size_t smem = ForwardSmem<kHeadDim>::kAllocBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, SplitKVParams{}, gate_suffix, tiles, maps);
