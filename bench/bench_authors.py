@@ -36,6 +36,7 @@ import sys
 import torch
 
 from bench_model import interleaved_ms, mfu, model_125m, training_flops_per_token
+from forgetting_transformer.cli.train import capture_training_step
 
 # The configuration fields both implementations name alike (ours copies the authors' names).
 SHARED_FIELDS = ("vocab_size", "hidden_size", "hidden_ratio", "intermediate_size",
@@ -105,17 +106,7 @@ def graphed_step(model, ids, labels, authors):
     gradients live in the graph's memory from then on (the capture starts from none, so its
     backward writes them), and the loss is the graph's output."""
     step = training_step(model, ids, labels, authors, fresh_gradients=False)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (autotuning, workspaces) off the capture
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    model.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = step()
+    graph, loss = capture_training_step(model, step, warmups=3)
 
     def replay():
         graph.replay()

@@ -186,6 +186,25 @@ def build_model(cfg, arch: str, index: int, device):
     return model
 
 
+def capture_training_step(model, step, warmups: int, device=None):
+    """(graph, output) of `step` (a forward + backward returning its loss) captured as a CUDA
+    graph after `warmups` runs off the capture (workspaces, caches, autotuning) on a side stream.
+    The capture starts from no gradients, so its backward writes them: they live in the graph's
+    memory from then on and must not be set to None."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            model.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output
+
+
 class GraphedMicroBatch:
     """One model's forward + backward of a micro-batch captured as CUDA graphs and replayed
     (`--cuda-graph`): the host launches one graph instead of a step's hundreds of kernels, so a
@@ -207,17 +226,7 @@ class GraphedMicroBatch:
             loss.backward()
             return loss.detach()
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up off the capture: workspaces, caches, autotuning
-            for _ in range(2):
-                model.zero_grad(set_to_none=True)
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        model.zero_grad(set_to_none=True)
-        self.first = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.first):
-            self.first_loss = step()
+        self.first, self.first_loss = capture_training_step(model, step, warmups=2, device=device)
         self.rest = None
         if accumulate:
             self.rest = torch.cuda.CUDAGraph()
