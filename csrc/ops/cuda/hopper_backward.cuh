@@ -711,6 +711,13 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         c_cur = c_next;
         boundary += kBlockN;
       }
+      if constexpr (kFusedDq) {
+        // Once dV and dK (the oldest group) are done, nothing reads this stage's Q, dO or statistics:
+        // the producer may refill it while dQ^T finishes (-0.1% to -0.5% backward time against a
+        // release after the staging, bench/NOTES.md version 99).
+        cute::warpgroup_wait<FOX_HOPPER_FUSED_DQ_OWN_KEYS_FIRST ? 2 : 1>();
+        handoff.release(it);
+      }
       cute::warpgroup_wait<0>();
       fence_registers(dv);
       fence_registers(dk);
@@ -750,7 +757,7 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         }
         ++n_staged;
       }
-      handoff.release(it);
+      if constexpr (!kFusedDq) handoff.release(it);
     }
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
