@@ -705,16 +705,24 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         // dS^T; then the other warpgroup's, once that one has. A warpgroup waits for the other only
         // after issuing three products, so the two need not meet at the same point of every tile.
         const uint32_t own = static_cast<uint32_t>(wg) * (64 * 128 / 16), other = 64 * 128 / 16 - own;
+        // Once dV and dK are done, nothing reads this stage's Q, dO or statistics: the producer may
+        // refill it. At D=64 that wait comes before dQ^T's issue, at D=128 (whose dV and dK take
+        // longer) after its first half (-0.4% to -1.1% backward time against a release after the
+        // staging; each at the other head dim +0.4% to +0.9%: bench/NOTES.md version 99).
+        constexpr bool kReleaseBeforeDq = kHeadDim <= 64;
         warpgroup_barrier(wg);
         dst_written_arrive(wg);
+        if constexpr (kReleaseBeforeDq) {
+          cute::warpgroup_wait<0>();
+          handoff.release(it);
+        }
         cute::warpgroup_arrive();
         gemm_transposed_tiles<GmmaT, kBlockN>(a + own, b + own, dqT, false, std::make_integer_sequence<int, 4>{});
         cute::warpgroup_commit_batch();
-        // Once dV and dK (the older group) are done, nothing reads this stage's Q, dO or statistics:
-        // the producer may refill it while dQ^T runs (-0.4% to -1.1% backward time against a release
-        // after the staging, bench/NOTES.md version 99).
-        cute::warpgroup_wait<1>();
-        handoff.release(it);
+        if constexpr (!kReleaseBeforeDq) {
+          cute::warpgroup_wait<1>();
+          handoff.release(it);
+        }
         dst_written_wait(1 - wg);
         cute::warpgroup_arrive();
         gemm_transposed_tiles<GmmaT, kBlockN>(a + other, b + other, dqT, true, std::make_integer_sequence<int, 4>{});
