@@ -707,8 +707,9 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         const uint32_t own = static_cast<uint32_t>(wg) * (64 * 128 / 16), other = 64 * 128 / 16 - own;
         // Once dV and dK are done, nothing reads this stage's Q, dO or statistics: the producer may
         // refill it. At D=64 that wait comes before dQ^T's issue, at D=128 (whose dV and dK take
-        // longer) after its first half (-0.4% to -1.1% backward time against a release after the
-        // staging; each at the other head dim +0.4% to +0.9%: bench/NOTES.md version 99).
+        // longer) after its first half (backward time -1.0% to -1.6% at D=64 and -0.3% to -0.9% at
+        // 128 against a release after the staging; each point at the other head dim +0.4% to +0.9%:
+        // bench/NOTES.md version 99).
         constexpr bool kReleaseBeforeDq = kHeadDim <= 64;
         warpgroup_barrier(wg);
         dst_written_arrive(wg);
