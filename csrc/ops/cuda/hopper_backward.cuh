@@ -647,11 +647,18 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       else
         probabilities(std::false_type{});
       // Fused: dS^T of this warpgroup's keys into shared memory (rounded as dK's product rounds it),
-      // once every warp's dQ^T of the tile before is done, and this thread's sums of dS per query
-      // over its two keys; then this warp's row sums of dS (float32) per query, in one of two
-      // buffers (warpgroup 0 reads a tile's after the other's dS^T is stored and before its warps
-      // release dS^T, which the writes of the tile after next wait for).
+      // once every warp's dQ^T of the tile before is done; this thread's sums of dS per query over
+      // its two keys, and this warp's row sums of dS (float32) per query, in one of two buffers
+      // (warpgroup 0's first kQueries threads read a tile's after both warpgroups' barriers of the
+      // exchange below; every warp writes the tile after next's only once it has passed the
+      // exchange of the next tile, and so after those reads).
       float part[kQueries / 4];  // entry 2n + e: query 8n + 2 quad + e, this thread's two keys
+      auto row_parts = [&] {
+#pragma unroll
+        for (int n = 0; n < kQueries / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) part[2 * n + e] = dpT[4 * n + e] + dpT[4 * n + 2 + e];
+      };
       auto store_dst = [&] {
         using Mma = MmaTraits<T>;
         if (n_staged >= 1) mbarrier_wait(dst_free, static_cast<uint32_t>((n_staged - 1) & 1));
@@ -661,10 +668,6 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
           for (int n = 0; n < kQueries / 8; ++n)
             *reinterpret_cast<uint32_t*>(Dst + sw128_offset(warp_row0 + group + 8 * hi, n, kBlockN) + quad * 2) =
                 Mma::pack(dpT[4 * n + 2 * hi], dpT[4 * n + 2 * hi + 1]);
-#pragma unroll
-        for (int n = 0; n < kQueries / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) part[2 * n + e] = dpT[4 * n + e] + dpT[4 * n + 2 + e];
       };
       auto store_row_sums = [&] {
         float* rowsums = warp_rowsums + (n_staged & 1) * kWarps * kQueries;
@@ -674,7 +677,10 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
           *reinterpret_cast<float2*>(rowsums + warp * kQueries + 8 * ((first + i) >> 1) + 2 * quad) =
               make_float2(part[i], part[i + 1]);
       };
-      if constexpr (kFusedDq && !kStoreDstLate) store_dst();
+      if constexpr (kFusedDq && !kStoreDstLate) {
+        store_dst();
+        row_parts();
+      }
       uint32_t pT[kQueries / 16][4], dsT[kQueries / 16][4];
       to_a_fragments<T, kQueries>(pT, sT);
       to_a_fragments<T, kQueries>(dsT, dpT);
@@ -686,9 +692,12 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       gemm_frags_by_tile<GmmaD, kQueries>(pT, dOs, dv);
       gemm_frags_by_tile<GmmaD, kQueries>(dsT, Qs, dk);
       cute::warpgroup_commit_batch();
+      // At D=128 the row sums come first: they fill dst_free's wait before dS^T's store (-1.2% to
+      // -1.5% backward time against after it, bench/NOTES.md version 100).
       if constexpr (kFusedDq) {
-        if constexpr (kStoreDstLate) store_dst();
+        if constexpr (kStoreDstLate) row_parts();
         store_row_sums();
+        if constexpr (kStoreDstLate) store_dst();
       }
       // Fused: dQ^T = K^T dS^T, summed over the 128 keys of both warpgroups' dS^T. Each warpgroup
       // takes one 64 x 64 half: 64 columns of the head dim at D=128 (one query tile of 64), 64 of
@@ -705,25 +714,19 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
         // dS^T; then the other warpgroup's, once that one has. A warpgroup waits for the other only
         // after issuing three products, so the two need not meet at the same point of every tile.
         const uint32_t own = static_cast<uint32_t>(wg) * (64 * 128 / 16), other = 64 * 128 / 16 - own;
-        // Once dV and dK are done, nothing reads this stage's Q, dO or statistics: the producer may
-        // refill it. At D=64 that wait comes before dQ^T's issue, at D=128 (whose dV and dK take
-        // longer) after its first half (backward time -1.0% to -1.6% at D=64 and -0.3% to -0.9% at
-        // 128 against a release after the staging; each point at the other head dim +0.4% to +0.9%:
-        // bench/NOTES.md version 99).
-        constexpr bool kReleaseBeforeDq = kHeadDim <= 64;
-        warpgroup_barrier(wg);
+        // This thread's stores are done: it tells the other warpgroup (whose wait completes once all
+        // 128 threads have arrived) before meeting its own, which may take longer (-0.3% at D=128).
         dst_written_arrive(wg);
-        if constexpr (kReleaseBeforeDq) {
-          cute::warpgroup_wait<0>();
-          handoff.release(it);
-        }
+        warpgroup_barrier(wg);
+        // Once dV and dK are done, nothing reads this stage's Q, dO or statistics: the producer may
+        // refill it before dQ^T is issued (backward time -1.0% to -1.6% at D=64 against a release
+        // after the staging, version 99; at D=128 -0.1% to -0.3% against one between dQ^T's
+        // halves, version 100).
+        cute::warpgroup_wait<0>();
+        handoff.release(it);
         cute::warpgroup_arrive();
         gemm_transposed_tiles<GmmaT, kBlockN>(a + own, b + own, dqT, false, std::make_integer_sequence<int, 4>{});
         cute::warpgroup_commit_batch();
-        if constexpr (!kReleaseBeforeDq) {
-          cute::warpgroup_wait<1>();
-          handoff.release(it);
-        }
         dst_written_wait(1 - wg);
         cute::warpgroup_arrive();
         gemm_transposed_tiles<GmmaT, kBlockN>(a + other, b + other, dqT, true, std::make_integer_sequence<int, 4>{});
