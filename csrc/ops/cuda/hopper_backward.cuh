@@ -439,19 +439,6 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
   const bool any_key = j0 + nk - 1 >= first_key;
   int it = 0;  // ring position of the query tiles
   int n_staged = 0;  // fused: dQ tiles handed to the writer
-  // Fused, D=128: a warp tells dst_free that its dQ^T of a tile has read dS^T only once it has issued
-  // the next tile's S^T and dP^T, not as soon as it could (at the end of the tile, after the
-  // staging): the other warpgroup's store of the next dS^T then waits until this one is under way
-  // on that tile, which keeps the two in step (-0.2% to -0.7% backward time; at D=64 +0.5% to
-  // +0.8%; an arrival right after dQ^T's wait +0.8% to +3.9%, one after the exponentials or before
-  // the own store +0.9% to +6.9%: bench/NOTES.md version 99).
-  constexpr bool kDeferDstFree = kFusedDq && kHeadDim > 64;
-  bool dst_free_pending = false;
-  auto arrive_dst_free = [&] {
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(dst_free);
-    dst_free_pending = false;
-  };
   if constexpr (kFusedDq) {
     // (run_hopper_backward fuses only with TMA and without pruning)
     if (threadIdx.x == 0) {
@@ -595,7 +582,6 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
       gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kQueries>(Ks, 64 * wg, Qs, sT);
       gemm_rows_by_tile<GmmaS, kHeadDim, kBlockN, kQueries>(Vs, 64 * wg, dOs, dpT);
       cute::warpgroup_commit_batch();
-      if (kDeferDstFree && dst_free_pending) arrive_dst_free();
       cute::warpgroup_wait<0>();
       fence_registers(sT);
       fence_registers(dpT);
@@ -777,16 +763,18 @@ __global__ void __launch_bounds__(kDkdvThreads<kFusedDq>, 1)
           dq_slots[sb] = {stat + i0, walk_down ? tile - first_key / kBlockN : diagonal - tile, nq};
         }
         __syncwarp();
-        if (lane == 0) {  // this warp's dQ^T has read dS^T, its part of the staging tile is written
-          if constexpr (!kDeferDstFree) mbarrier_arrive(dst_free);
+        // This warp's dQ^T has read dS^T, its part of the staging tile is written. (At the end of
+        // the tile: deferring dst_free's arrival to the next tile's products, which paid at D=128
+        // in version 99, is even since the row sums fill its wait, version 100; every earlier point
+        // measured +0.8% to +3.9%.)
+        if (lane == 0) {
+          mbarrier_arrive(dst_free);
           mbarrier_arrive(dq_full + sb);
         }
-        dst_free_pending = kDeferDstFree;
         ++n_staged;
       }
       if constexpr (!kFusedDq) handoff.release(it);
     }
-    if (kDeferDstFree && dst_free_pending) arrive_dst_free();  // (the walk's last tile)
     cp_async_wait<0>();
     store_quad_colsums(key_stat(ws.dc, p, s, h, j0), warp_row0 + group, nk, colsum);  // dc = -colsum(dS)
   }
