@@ -1451,50 +1451,45 @@ void cache_write(const at::Tensor& k_new, const at::Tensor& v_new, const at::Ten
   });
 }
 
-// f(T(), BT()) for the forget gate kernels: T the logits' element type, BT the bias's as they read
-// it (float32, or T, also for no bias).
-template <typename F>
-void dispatch_forget_gate(const at::Tensor& logits, const at::Tensor& bias, F f) {
-  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate", [&] {
-    if (bias.defined() && bias.scalar_type() == at::kFloat) f(scalar_t(), float());
-    else f(scalar_t(), scalar_t());
-  });
-}
-
 constexpr int kForgetGateThreads = 256;
 
-void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& out) {
+// Launches a forget gate kernel over the logits' n elements, if any: launch(T(), BT(), blocks,
+// stream), T the logits' element type, BT the bias's as the kernels read it (float32, or T, also
+// for no bias).
+template <typename F>
+void launch_forget_gate(const at::Tensor& logits, const at::Tensor& bias, F launch) {
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t n = logits.numel();
   if (n == 0) return;
+  const unsigned blocks = unsigned(blocks_for(n, kForgetGateThreads));
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_forget_gate(logits, bias, [&](auto t, auto bt) {
-    using T = decltype(t);
-    using BT = decltype(bt);
-    forget_gate_forward_kernel<T, BT>
-        <<<unsigned(blocks_for(n, kForgetGateThreads)), kForgetGateThreads, 0, stream>>>(
-            logits.data_ptr<T>(), logits.stride(0), logits.stride(1), optional_ptr<BT>(bias),
-            out.data_ptr<float>(), n, int(logits.size(1)), int(logits.size(2)));
+  FOX_FLOAT_TYPES(logits.scalar_type(), "forget_gate", [&] {
+    if (bias.defined() && bias.scalar_type() == at::kFloat) launch(scalar_t(), float(), blocks, stream);
+    else launch(scalar_t(), scalar_t(), blocks, stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void forget_gate_forward(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& out) {
+  launch_forget_gate(logits, bias, [&](auto t, auto bt, unsigned blocks, cudaStream_t stream) {
+    using T = decltype(t);
+    using BT = decltype(bt);
+    forget_gate_forward_kernel<T, BT><<<blocks, kForgetGateThreads, 0, stream>>>(
+        logits.data_ptr<T>(), logits.stride(0), logits.stride(1), optional_ptr<BT>(bias),
+        out.data_ptr<float>(), logits.numel(), int(logits.size(1)), int(logits.size(2)));
+  });
 }
 
 void forget_gate_backward(const at::Tensor& dout, const at::Tensor& logits, const at::Tensor& bias,
                           const at::Tensor& dlogits) {
-  c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t n = logits.numel();
-  if (n == 0) return;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_forget_gate(logits, bias, [&](auto t, auto bt) {
+  launch_forget_gate(logits, bias, [&](auto t, auto bt, unsigned blocks, cudaStream_t stream) {
     using T = decltype(t);
     using BT = decltype(bt);
-    forget_gate_backward_kernel<T, BT>
-        <<<unsigned(blocks_for(n, kForgetGateThreads)), kForgetGateThreads, 0, stream>>>(
-            dout.data_ptr<float>(), logits.data_ptr<T>(), logits.stride(0), logits.stride(1),
-            optional_ptr<BT>(bias), dlogits.data_ptr<T>(), n, int(logits.size(1)),
-            int(logits.size(2)));
+    forget_gate_backward_kernel<T, BT><<<blocks, kForgetGateThreads, 0, stream>>>(
+        dout.data_ptr<float>(), logits.data_ptr<T>(), logits.stride(0), logits.stride(1),
+        optional_ptr<BT>(bias), dlogits.data_ptr<T>(), logits.numel(), int(logits.size(1)),
+        int(logits.size(2)));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace fox::nn::cuda
