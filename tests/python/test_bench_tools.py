@@ -3,7 +3,8 @@ in-process comparison of two builds of the Hopper kernels (A from a git revision
 tree): it compiles and links (running it needs an H100 or H200), names what it compared, and refuses
 an unknown option with its usage. bench/backward_order_model.py, the fused backward's schedule
 model: its orders against one another, and a grid that cannot deadlock never does. The trace
-arithmetic of bench_model.py --gaps, and bench/profiling.py's profiler over a closure's calls."""
+arithmetic of bench_model.py --gaps, bench/profiling.py's profiler over a closure's calls, and
+bench/gate_grad_precision.py's emulation of the gate gradient's arithmetic."""
 import importlib.util
 import os
 import shutil
@@ -56,6 +57,21 @@ def test_kernel_ab_refuses_an_unknown_option():
     result = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--base REV" in result.stderr
+
+
+def test_gate_grad_precision():
+    """The emulated kernels' dlog f (T=512, D=128): within the tests' rule with the row sums of dS;
+    without them (delta from the bf16 output) several times worse; with delta from the output and
+    its bf16 rounding residual far better, and better still from the float32 output."""
+    spec = importlib.util.spec_from_file_location("gate_grad_precision",
+                                                  REPO_ROOT / "bench" / "gate_grad_precision.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    e = study.errors(512, 128, "normal")
+    assert e["rows"] < e["bound"] / 4, e
+    assert e["no-rows"] > 3 * e["rows"], e
+    assert e["resid16"] < e["rows"] / 10, e
+    assert e["exact"] < e["resid16"] / 4, e
 
 
 def load_order_model():
